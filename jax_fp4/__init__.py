@@ -1,0 +1,25 @@
+"""jax_fp4: NVFP4 and MXFP8 block-scaled quantization for JAX, bit-exact to the hardware's numerics.
+
+Public surface:
+  NVFP4, MXFP8                      format specs (frozen, hashable; jax_fp4.formats)
+  quantize, dequantize              -> / <- QuantizedArray (jax_fp4.quantize)
+  swizzle_scales, unswizzle_scales  compact <-> GEMM-swizzled scale layout
+  tensor_amax                       fmax-reduction of |x| (CUDA kernel where available)
+  reference                         the pure-jnp bit-exact reference of NUMERICS.md
+"""
+
+from jax_fp4 import reference
+from jax_fp4._src import ffi as _ffi
+from jax_fp4._src.ffi import HAS_CUDA_KERNELS, ReferenceOnlyWarning
+from jax_fp4._src.primitives.amax import tensor_amax
+from jax_fp4.formats import MXFP8, NVFP4, Format
+from jax_fp4.quantize import dequantize, quantize, swizzle_scales, unswizzle_scales
+from jax_fp4.quantized_array import QuantizedArray
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HAS_CUDA_KERNELS", "MXFP8", "NVFP4", "Format", "QuantizedArray", "ReferenceOnlyWarning", "dequantize",
+    "quantize", "reference", "swizzle_scales", "tensor_amax", "unswizzle_scales",
+]
+del _ffi

@@ -1,0 +1,266 @@
+"""Block-scaled format specs: `NVFP4` and `MXFP8` (NUMERICS.md sections 1-3).
+
+A format spec is a frozen, hashable value (usable as a `jax.jit` static argument). It owns every fact about its
+format — block size, code and scale dtypes, max values, scale shapes (compact / padded / GEMM-swizzled) and input
+validation — so no other module writes a block size or a 448.
+
+Orientation. `axis` is the *block axis*: the axis along which consecutive elements share a block scale.
+- NVFP4 stores data with the block axis moved last (`jnp.moveaxis(x, axis, -1)`): for a 2-D x[M, K], axis=-1 is
+  the rowwise quantization (data [M, K]) and axis=0 the columnwise one, stored as the rowwise quantization of x.T
+  (data [K, M]).
+- MXFP8 keeps x's shape for the data; scales have x's shape with the block axis divided by 32 (rowwise
+  [M, K/32], columnwise [M/32, K]).
+Scale matrices are viewed 2-D for padding and swizzling: rows = all non-block axes (in data order), columns = the
+block axis's scale count. MXFP8 columnwise scales [M/32, K] are thus viewed as [K, M/32] (NUMERICS.md section 3).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["NVFP4", "MXFP8", "Format", "SCALE_TILE_ROWS", "SCALE_TILE_COLS", "round_up"]
+
+SCALE_TILE_ROWS = 128  # cuBLAS block-scale layout: 128x4 tiles of scales, 512 bytes each
+SCALE_TILE_COLS = 4
+_FLOAT_INPUTS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+class Format:
+    """Base of the format specs: keyword options with defaults, frozen, hashable, compared by value."""
+
+    _options: ClassVar[dict[str, Any]] = {}
+    name: ClassVar[str] = "?"
+    block_size: ClassVar[int]
+    data_dtype: Any
+    scale_dtype: ClassVar[Any]
+
+    def __init__(self, **options):
+        unknown = sorted(set(options) - set(self._options))
+        if unknown:
+            raise ValueError(f"{self.name}: unknown option(s) {unknown}; known options: {sorted(self._options)}")
+        values = {**self._options, **options}
+        for k, v in values.items():
+            object.__setattr__(self, k, self._normalize(k, v))
+        self._validate()
+
+    def _normalize(self, key, value):
+        if isinstance(self._options[key], bool):
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"{self.name}: option {key} must be a bool, got {value!r}")
+            return bool(value)
+        return value
+
+    def _validate(self):
+        pass
+
+    def __setattr__(self, key, value):
+        raise AttributeError(f"{self.name} is frozen")
+
+    def _key(self):
+        return (type(self).__name__,) + tuple(getattr(self, k) for k in self._options)
+
+    def __eq__(self, other):
+        return isinstance(other, Format) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        opts = ", ".join(f"{k}={getattr(self, k)!r}" for k in self._options if getattr(self, k) != self._options[k])
+        return f"{self.name}({opts})"
+
+    def replace(self, **options):
+        return type(self)(**{**{k: getattr(self, k) for k in self._options}, **options})
+
+    # ---- geometry -------------------------------------------------------------------------------------------
+    @property
+    def max_value(self) -> float:
+        """Largest finite data magnitude."""
+        return float(jnp.finfo(self.data_dtype).max)
+
+    def normalize_axis(self, shape, axis: int) -> int:
+        """The block axis as a negative index (robust to leading batch dims); raises on a bad axis."""
+        nd = len(shape)
+        if nd == 0:
+            raise ValueError(f"{self!r}: cannot quantize a rank-0 array (shape {tuple(shape)}); it needs a block axis")
+        if not -nd <= axis < nd:
+            raise ValueError(f"{self!r}: block axis {axis} out of range for shape {tuple(shape)}")
+        return axis % nd - nd
+
+    def validate(self, shape, dtype, axis: int) -> int:
+        """Checks that x (shape, dtype) can be quantized along `axis`; returns the normalized (negative) axis.
+
+        Raises:
+          ValueError naming the shape, dtype and format when the dtype is not bfloat16/float16/float32, the rank is
+          0, or a blocked dimension is not a multiple of its block.
+        """
+        dtype = jnp.dtype(dtype)
+        if dtype not in _FLOAT_INPUTS:
+            raise ValueError(
+                f"{self!r}: input must be bfloat16, float16 or float32, got {dtype} with shape {tuple(shape)}"
+            )
+        axis = self.normalize_axis(shape, axis)
+        n = shape[axis]
+        if n % self.block_size:
+            raise ValueError(
+                f"{self!r}: block axis {axis} of shape {tuple(shape)} has length {n}, "
+                f"not a multiple of the block size {self.block_size}"
+            )
+        self._validate_shape(tuple(shape), axis)
+        return axis
+
+    def _validate_shape(self, shape, axis):
+        pass
+
+    def data_shape(self, shape, axis: int) -> tuple[int, ...]:
+        """Shape of the quantized data for x of `shape` quantized along `axis`."""
+        raise NotImplementedError
+
+    def scale_shape(self, shape, axis: int) -> tuple[int, ...]:
+        """Compact block-scale shape (row-major, matching the data) for x of `shape` along `axis`."""
+        raise NotImplementedError
+
+    def scale_matrix_shape(self, shape, axis: int) -> tuple[int, int]:
+        """The compact scales viewed 2-D as [rows, scale columns] for padding/swizzling."""
+        raise NotImplementedError
+
+    def padded_scale_shape(self, shape, axis: int) -> tuple[int, int]:
+        """[round_up(rows, 128), round_up(cols, 4)]: the scale matrix padded to whole 128x4 tiles."""
+        r, c = self.scale_matrix_shape(shape, axis)
+        return round_up(r, SCALE_TILE_ROWS), round_up(c, SCALE_TILE_COLS)
+
+    def swizzled_scale_shape(self, shape, axis: int) -> tuple[int, int]:
+        """GEMM-swizzled scales keep the padded 2-D shape; only the element order changes (NUMERICS.md s3)."""
+        return self.padded_scale_shape(shape, axis)
+
+    stores_block_axis_last: ClassVar[bool] = False
+
+
+class NVFP4(Format):
+    """NVFP4: E2M1 values in 1x16 blocks with E4M3 block scales and an fp32 tensor amax (NUMERICS.md s1).
+
+    Options (all keyword, default False):
+      scaling_2d: one block scale per 16x16 tile (weights), stored broadcast in the 1x16 layout. Needs the
+        flattened non-block axes to be a multiple of 16 too.
+      rht: random Hadamard transform of each 16-chunk along the block axis before amax and quantization
+        (the wgrad operands). Dequantize applies the inverse.
+      stochastic_rounding: round values stochastically (gradients); `quantize` then needs a PRNG key.
+      local_1x64: the 1x64 local encode (TE PR #2941): one encode scale per 1x64 window instead of the tensor
+        scale; needs both the block axis and the flattened other axes to be multiples of 64; excludes the others.
+
+    Data: float4_e2m1fn, the block axis stored last (packed two per byte on GPU, element 2j in the low nibble).
+    Scales: float8_e4m3fn [..., n/16]. Tensor amax: float32 scalar (1x64: window amax float32 [..., n/64]).
+    """
+
+    name = "NVFP4"
+    _options = {"scaling_2d": False, "rht": False, "stochastic_rounding": False, "local_1x64": False}
+    block_size = 16
+    data_dtype = jnp.float4_e2m1fn
+    scale_dtype = jnp.float8_e4m3fn
+    stores_block_axis_last = True
+    window_size = 64
+    scale_max = 448.0  # largest E4M3 block scale
+    tile_2d = 16
+
+    def _validate(self):
+        if self.local_1x64 and (self.scaling_2d or self.rht or self.stochastic_rounding):
+            raise ValueError(f"{self!r}: local_1x64 excludes scaling_2d, rht and stochastic_rounding (TE PR #2941)")
+        if self.scaling_2d and self.rht:
+            raise ValueError(f"{self!r}: 2D scaling is for weights and RHT for wgrad operands; pick one")
+
+    @property
+    def max_value(self) -> float:
+        return 6.0
+
+    @property
+    def has_tensor_amax(self) -> bool:
+        return not self.local_1x64
+
+    def _validate_shape(self, shape, axis):
+        rows = _prod_except(shape, axis)
+        if self.local_1x64:
+            if shape[axis] % self.window_size or rows % self.window_size:
+                raise ValueError(
+                    f"{self!r}: 1x64 local encode needs the block axis ({shape[axis]}) and the flattened other axes "
+                    f"({rows}) to be multiples of 64; got shape {shape}, axis {axis}"
+                )
+        if self.scaling_2d and rows % self.tile_2d:
+            raise ValueError(
+                f"{self!r}: 2D scaling needs the flattened non-block axes ({rows}) to be a multiple of 16 as well; "
+                f"got shape {shape}, axis {axis}"
+            )
+
+    def data_shape(self, shape, axis):
+        shape = list(shape)
+        n = shape.pop(axis)
+        return tuple(shape) + (n,)
+
+    def scale_shape(self, shape, axis):
+        d = self.data_shape(shape, axis)
+        return d[:-1] + (d[-1] // self.block_size,)
+
+    def window_amax_shape(self, shape, axis):
+        """1x64 window amax shape: the data shape with the block axis divided by 64."""
+        d = self.data_shape(shape, axis)
+        return d[:-1] + (d[-1] // self.window_size,)
+
+    def scale_matrix_shape(self, shape, axis):
+        s = self.scale_shape(shape, axis)
+        return math.prod(s[:-1]), s[-1]
+
+
+class MXFP8(Format):
+    """MXFP8: E4M3 or E5M2 values in 1x32 blocks with E8M0 (power-of-two) scales (NUMERICS.md s2).
+
+    Options:
+      element: "e4m3" (default, max 448) or "e5m2" (max 57344). A jnp dtype is accepted too.
+
+    Data: float8_e4m3fn / float8_e5m2 with x's shape. Scales: float8_e8m0fnu with x's shape, block axis / 32.
+    """
+
+    name = "MXFP8"
+    _options = {"element": "e4m3"}
+    block_size = 32
+    scale_dtype = jnp.float8_e8m0fnu
+    _ELEMENTS = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+
+    def _normalize(self, key, value):
+        if key == "element":
+            if not isinstance(value, str):
+                try:
+                    dt = jnp.dtype(value)
+                except TypeError as e:
+                    raise ValueError(f"MXFP8: element must be 'e4m3' or 'e5m2', got {value!r}") from e
+                value = {jnp.dtype(v): k for k, v in self._ELEMENTS.items()}.get(dt, str(dt))
+            if value not in self._ELEMENTS:
+                raise ValueError(f"MXFP8: element must be 'e4m3' or 'e5m2', got {value!r}")
+        return value
+
+    @property
+    def data_dtype(self):
+        return self._ELEMENTS[self.element]
+
+    def data_shape(self, shape, axis):
+        return tuple(shape)
+
+    def scale_shape(self, shape, axis):
+        s = list(shape)
+        s[axis] //= self.block_size
+        return tuple(s)
+
+    def scale_matrix_shape(self, shape, axis):
+        s = self.scale_shape(shape, axis)
+        cols = s[axis]
+        return _prod_except(s, axis), cols
+
+
+def _prod_except(shape, axis):
+    return math.prod(d for i, d in enumerate(shape) if i != axis % len(shape))

@@ -1,0 +1,53 @@
+"""MXFP8 quantize / dequantize, bit-exact to NUMERICS.md section 2 (TE `quantize_mxfp8.cuh`,
+`ptx_arch_spec.cuh float_to_e8m0`). Data oriented with the block axis last, as in `nvfp4`."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fp4.formats import MXFP8
+from jax_fp4.reference import _f32, codes
+from jax_fp4.reference.amax import abs_bits
+
+U32 = jnp.uint32
+
+
+def e8m0_from_float(v):
+    """float_to_e8m0 (round toward +inf, saturating) of v >= 0: NaN -> 0xFF, inf -> 0xFE, 0 -> 0; else the exponent
+    bits of v, plus one when the mantissa is nonzero, except when they are 0xFE, or 0 with mantissa <= 0x400000."""
+    b = _f32.bits(v)
+    exp, mant = (b >> 23) & U32(0xFF), b & U32(0x7FFFFF)
+    bump = (mant > 0) & (exp != 0xFE) & ~((exp == 0) & (mant <= U32(0x400000)))
+    e = exp + bump.astype(U32)
+    mag = b & U32(0x7FFFFFFF)
+    e = jnp.where(mag == U32(0x7F800000), U32(0xFE), e)
+    return jnp.where(mag > U32(0x7F800000), U32(0xFF), e)
+
+
+def _inverse_scale(e):
+    """fp32 2**(127 - e): exponent field 254 - e for e <= 253, the subnormal 2**-127 for e = 254, NaN for 255."""
+    b = jnp.where(e <= 253, (U32(254) - jnp.minimum(e, U32(253))) << 23, U32(0x00400000))
+    return _f32.from_bits(jnp.where(e == 255, U32(0x7FC00000), b))
+
+
+def _target(fmt: MXFP8):
+    return _f32.E4M3 if fmt.element == "e4m3" else _f32.E5M2
+
+
+def quantize(y, fmt: MXFP8):
+    """y [..., n] (block axis last, n % 32 == 0) -> (uint32 data codes [..., n], uint32 E8M0 codes [..., n/32])."""
+    y = y.astype(jnp.float32)
+    bs = fmt.block_size
+    blocks = y.reshape(*y.shape[:-1], y.shape[-1] // bs, bs)
+    bamax = _f32.from_bits(jnp.max(abs_bits(blocks), axis=-1, initial=0))
+    e = e8m0_from_float(_f32.mul(bamax, np.float32(1.0 / fmt.max_value)))
+    q = _f32.convert(_f32.mul(blocks, _inverse_scale(e)[..., None]), _target(fmt))
+    return q.reshape(y.shape), e
+
+
+def dequantize(data, scale_codes, fmt: MXFP8):
+    """data (float8 [..., n]) + E8M0 codes [..., n/32] -> float32 [..., n]: float(q) * 2**(e-127)."""
+    bs = fmt.block_size
+    v = codes.small_float_value(data).reshape(*data.shape[:-1], data.shape[-1] // bs, bs)
+    return _f32.mul(v, codes.e8m0_value(scale_codes)[..., None]).reshape(data.shape)

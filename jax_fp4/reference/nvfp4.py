@@ -1,0 +1,126 @@
+"""NVFP4 quantize / dequantize, bit-exact to NUMERICS.md section 1 (TE `core_nvfp4.cuh`, `dequantize_nvfp4.cuh`).
+
+All functions take the data already oriented with the block axis last (see `jax_fp4.formats`); `quantize` and
+`dequantize` in `jax_fp4.reference` do the orientation. Every product that can meet a subnormal goes through the
+exact integer routines of `_f32`, so results are the IEEE (CUDA) ones on every platform.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fp4.formats import NVFP4
+from jax_fp4.reference import _f32, codes, rht, sr
+from jax_fp4.reference.amax import abs_bits
+
+F32 = jnp.float32
+FP4_MAX, E4M3_MAX = 6.0, 448.0
+ENC_NUMERATOR = np.float32(FP4_MAX * E4M3_MAX)  # 2688
+INV_FP4_MAX = np.float32(1.0 / FP4_MAX)  # fp32(1/6)
+INV_ENC_NUMERATOR = np.float32(1.0 / (FP4_MAX * E4M3_MAX))  # fp32(1/2688)
+WINDOW_FLOOR = np.float32(1e-12)
+
+
+class NVFP4Parts(NamedTuple):
+    codes: jnp.ndarray  # uint32 E2M1 codes [..., n]
+    scale_codes: jnp.ndarray  # uint32 E4M3 codes [..., n/16]
+    amax: jnp.ndarray | None  # f32 scalar (tensor scale), None for 1x64
+    window_amax: jnp.ndarray | None  # f32 [..., n/64] for 1x64
+
+
+def _block_amax(y, size):
+    """fmax|y| over consecutive `size`-element blocks of the last axis -> f32 [..., n/size]."""
+    b = abs_bits(y).reshape(*y.shape[:-1], y.shape[-1] // size, size)
+    return _f32.from_bits(jnp.max(b, axis=-1, initial=0))
+
+
+def _min_flt_max(v):
+    """min(v, FLT_MAX) for v >= 0 or +inf (on the bits, so a subnormal v is untouched by DAZ)."""
+    return jnp.where(_f32.bits(v) > _f32.bits(_f32.FLT_MAX), _f32.FLT_MAX, v)
+
+
+def global_encode_scale(amax):
+    """S_enc = min(2688 / amax, FLT_MAX); 1 where amax == 0 or S_enc == 0 (amax = inf). fp32."""
+    amax = jnp.asarray(amax, F32)
+    s = _min_flt_max(ENC_NUMERATOR / amax)  # a subnormal amax overflows to inf either way -> FLT_MAX
+    return jnp.where(_f32.is_zero(amax) | _f32.is_zero(s), F32(1), s)
+
+
+def _e4m3(v):
+    return _f32.convert(v, _f32.E4M3)
+
+
+def _e4m3_value(c):
+    return codes.small_float_value(codes.to_dtype(c, jnp.float8_e4m3fn))
+
+
+def _round(v, fmt: NVFP4, key):
+    if fmt.stochastic_rounding:
+        return sr.round_e2m1(v, sr.random_bytes(key, v.shape))
+    return _f32.convert(v, _f32.E2M1)
+
+
+def quantize(y, fmt: NVFP4, key=None) -> NVFP4Parts:
+    """Quantize y [..., n] (block axis last, n % 16 == 0; bf16/f16/f32) to NVFP4 (1D, 2D, RHT, SR or 1x64)."""
+    y = y.astype(F32)
+    if fmt.rht:
+        y = rht.forward(y)
+    if fmt.local_1x64:
+        return _quantize_1x64(y)
+    bs = fmt.block_size
+    tensor_amax = _f32.from_bits(jnp.max(abs_bits(y), initial=0))
+    s_enc = global_encode_scale(tensor_amax)
+    s_dec = _f32.recip(s_enc)
+    bamax = _block_amax(y, bs)  # [..., n/16]
+    if fmt.scaling_2d:
+        bamax = _tile_amax_2d(bamax, fmt.tile_2d)
+    sc = _e4m3(_f32.mul(bamax, s_enc * INV_FP4_MAX))
+    e_b = _min_flt_max(_f32.recip(_f32.mul(_e4m3_value(sc), s_dec)))
+    blocks = y.reshape(*y.shape[:-1], y.shape[-1] // bs, bs)
+    q = _round(_f32.mul(blocks, e_b[..., None]), fmt, key).reshape(y.shape)
+    return NVFP4Parts(q, sc, tensor_amax, None)
+
+
+def _tile_amax_2d(bamax, tile):
+    """Per-16x16-tile amax broadcast back to every row of the tile: bamax [..., n/16] -> same shape."""
+    shape = bamax.shape
+    m = bamax.reshape(-1, tile, shape[-1])  # rows flattened, grouped in 16s
+    t = _f32.from_bits(jnp.max(_f32.bits(m), axis=1, keepdims=True))
+    return jnp.broadcast_to(t, m.shape).reshape(shape)
+
+
+def _quantize_1x64(y) -> NVFP4Parts:
+    bs, w = NVFP4.block_size, NVFP4.window_size
+    wamax = _block_amax(y, w)  # [..., n/64]
+    s_enc_w = _min_flt_max(ENC_NUMERATOR / jnp.maximum(wamax, WINDOW_FLOOR))
+    s_enc_w = jnp.where(_f32.is_zero(wamax), F32(1), s_enc_w)
+    s_enc_b = jnp.repeat(s_enc_w, w // bs, axis=-1)  # per 1x16 block
+    sc = _e4m3(_f32.mul(_block_amax(y, bs), s_enc_b * INV_FP4_MAX))
+    s_b = _e4m3_value(sc)
+    block_scale = jnp.where(_f32.is_zero(s_b), F32(0), s_enc_b / s_b)
+    blocks = y.reshape(*y.shape[:-1], y.shape[-1] // bs, bs)
+    q = _f32.convert(_f32.mul(blocks, block_scale[..., None]), _f32.E2M1).reshape(y.shape)
+    return NVFP4Parts(q, sc, None, wamax)
+
+
+def dequantize(q_codes, scale_codes, amax, window_amax, fmt: NVFP4):
+    """NVFP4 codes [..., n] + E4M3 scale codes [..., n/16] -> float32 values [..., n] (block axis last).
+
+    1D/2D: x = value(q) * ((s_b * amax) * fp32(1/2688)); 1x64: x = (value(q) * s_b) / S_enc,w; RHT: then @ H.T.
+    """
+    bs = fmt.block_size
+    v = codes.e2m1_value(q_codes).reshape(*q_codes.shape[:-1], q_codes.shape[-1] // bs, bs)
+    s_b = _e4m3_value(scale_codes)
+    if fmt.local_1x64:
+        s_enc_w = _min_flt_max(ENC_NUMERATOR / jnp.maximum(window_amax, WINDOW_FLOOR))
+        s_enc_w = jnp.where(_f32.is_zero(window_amax), F32(1), s_enc_w)
+        s_enc_b = jnp.repeat(s_enc_w, fmt.window_size // bs, axis=-1)
+        x = _f32.mul(v, s_b[..., None]) / s_enc_b[..., None]
+    else:
+        f = _f32.mul(_f32.mul(s_b, amax), INV_ENC_NUMERATOR)
+        x = _f32.mul(v, f[..., None])
+    x = x.reshape(q_codes.shape)
+    return rht.inverse(x) if fmt.rht else x

@@ -1,0 +1,79 @@
+"""Stochastic rounding to E2M1 (NUMERICS.md section 1, TE PR #3281) and its random bits.
+
+Random bits. The caller's JAX PRNG key is turned into a Philox-4x32-10 key: (k0, k1) = jax.random.bits(key, (2,),
+uint32). The element at linear index i of the data (block axis last, row-major) takes byte (i % 16) of the
+128-bit Philox output for counter (i // 16, 0, 0, 0): word (i % 16) // 4, bits 8 * (i % 4)... of that word, i.e.
+bytes in little-endian order. A CUDA kernel generates exactly this stream from the two key words (a 2-word device
+buffer, so no host sync), and the reference reproduces it here with 32-bit integer arithmetic.
+
+Rounding. a = |v| (v = x * e_b), u = r / 256, step(a) = 0.5 if a < 2, 1 if a < 4, else 2; t = a + u * step(a) (the
+product u * step is exact, so an FMA gives the same t); t is rounded down onto the E2M1 grid and clamped to 6; the
+sign of v is restored; NaN -> +6 (code 0x7).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+U32 = jnp.uint32
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85
+
+
+def _mulhilo(a: int, b):
+    """(hi, lo) 32-bit words of the 64-bit product of the constant a and uint32 array b."""
+    lo = U32(a) * b
+    a0, a1 = U32(a & 0xFFFF), U32(a >> 16)
+    b0, b1 = b & U32(0xFFFF), b >> 16
+    p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1
+    carry = ((p00 >> 16) + (p01 & U32(0xFFFF)) + (p10 & U32(0xFFFF))) >> 16
+    hi = p11 + (p01 >> 16) + (p10 >> 16) + carry
+    return hi, lo
+
+
+def philox4x32_10(ctr, key):
+    """Philox-4x32 with 10 rounds (Salmon et al. 2011, Random123). ctr: 4 uint32 arrays; key: 2 uint32 scalars."""
+    c0, c1, c2, c3 = ctr
+    k0, k1 = key
+    for r in range(10):
+        if r:
+            k0, k1 = k0 + U32(_W0), k1 + U32(_W1)
+        hi0, lo0 = _mulhilo(_M0, c0)
+        hi1, lo1 = _mulhilo(_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def philox_key(key):
+    """Two uint32 Philox key words derived from a JAX PRNG key (typed or raw)."""
+    return jax.random.bits(key, (2,), jnp.uint32)
+
+
+def random_bytes(key, shape):
+    """uint32 array of `shape` holding one random byte (0..255) per element, per the stream above."""
+    n = int(np.prod(shape))
+    words_needed = -(-n // 16)
+    k = philox_key(key)
+    ctr = jnp.arange(words_needed, dtype=U32)
+    zero = jnp.zeros_like(ctr)
+    w = jnp.stack(philox4x32_10((ctr, zero, zero, zero), (k[0], k[1])), axis=-1)  # [n/16, 4]
+    b = (w[..., None] >> jnp.array([0, 8, 16, 24], U32)) & U32(0xFF)  # [n/16, 4, 4]
+    return b.reshape(-1)[:n].reshape(shape)
+
+
+_GRID_FLOOR = ((6.0, 7), (4.0, 6), (3.0, 5), (2.0, 4), (1.5, 3), (1.0, 2), (0.5, 1))
+
+
+def round_e2m1(v, rbytes):
+    """Stochastically round float32 v to E2M1 codes (uint32) with random bytes `rbytes` (uint32 0..255)."""
+    a = jnp.abs(v)
+    u = rbytes.astype(jnp.float32) * jnp.float32(1 / 256)
+    step = jnp.where(a < 2, jnp.float32(0.5), jnp.where(a < 4, jnp.float32(1.0), jnp.float32(2.0)))
+    t = a + u * step
+    idx = jnp.zeros(v.shape, U32)
+    for thr, code in reversed(_GRID_FLOOR):
+        idx = jnp.where(t >= thr, U32(code), idx)
+    sign = (jax.lax.bitcast_convert_type(v, U32) >> 31) << 3
+    return jnp.where(jnp.isnan(v), U32(7), idx | sign)
