@@ -7,6 +7,7 @@ exact integer routines of `_f32`, so results are the IEEE (CUDA) ones on every p
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -87,7 +88,8 @@ def quantize(y, fmt: NVFP4, key=None) -> NVFP4Parts:
 def _tile_amax_2d(bamax, tile):
     """Per-16x16-tile amax broadcast back to every row of the tile: bamax [..., n/16] -> same shape."""
     shape = bamax.shape
-    m = bamax.reshape(-1, tile, shape[-1])  # rows flattened, grouped in 16s
+    rows = math.prod(shape[:-1])
+    m = bamax.reshape(rows // tile, tile, shape[-1])  # rows flattened, grouped in 16s
     t = _f32.from_bits(jnp.max(_f32.bits(m), axis=1, keepdims=True))
     return jnp.broadcast_to(t, m.shape).reshape(shape)
 

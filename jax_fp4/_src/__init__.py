@@ -1,0 +1,1 @@
+"""jax_fp4 internals (not public API)."""
