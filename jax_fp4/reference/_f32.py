@@ -139,13 +139,17 @@ def mul(a, b):
     return from_bits(_patch_specials(code, ba, bb, sign, zero_times_inf_is_nan=True))
 
 
-def recip(a):
-    """Correctly rounded fp32 reciprocal 1/a (RNE, subnormal operands and results kept); returns float32."""
-    ba = bits(a)
+def div(a, b):
+    """Correctly rounded fp32 quotient a/b (RNE, subnormal operands and results kept); returns float32.
+
+    XLA:GPU does not promise IEEE division for fp32 `/`, XLA:CPU flushes subnormals: this is exact on both.
+    """
+    ba, bb = bits(a), bits(b)
     sa, ea, ma = _unpack(ba)
-    # Restoring long division: q = floor(2**49 / m), 26 or 27 significant bits, remainder -> sticky.
-    safe_m = jnp.maximum(ma, U32(1))
-    r = U32(1 << 23)
+    sb, eb, mb = _unpack(bb)
+    # Restoring long division of the significands: q = floor(ma * 2**26 / mb), 26-27 significant bits.
+    safe_m = jnp.maximum(mb, U32(1))
+    r = ma
     q = (r >= safe_m).astype(U32)
     r = r - safe_m * q
     for _ in range(26):
@@ -153,13 +157,19 @@ def recip(a):
         bit = r >= safe_m
         r = r - jnp.where(bit, safe_m, U32(0))
         q = (q << 1) | bit.astype(U32)
-    code = encode(sa, q, r != 0, -26 - ea, F32)
-    mag = ba & U32(0x7FFFFFFF)
-    sign_bit = sa << 31
-    code = jnp.where(mag == 0, U32(0x7F800000) | sign_bit, code)  # 1/+-0 = +-inf
-    code = jnp.where(mag == U32(0x7F800000), sign_bit, code)  # 1/+-inf = +-0
-    code = jnp.where(mag > U32(0x7F800000), U32(0x7FC00000), code)
-    return from_bits(code)
+    sign = sa ^ sb
+    code = encode(sign, q, r != 0, ea - eb - 26, F32)
+    mag_a, mag_b = ba & U32(0x7FFFFFFF), bb & U32(0x7FFFFFFF)
+    inf, sign_bit = U32(0x7F800000), sign << 31
+    code = jnp.where((mag_a == 0) | (mag_b == inf), sign_bit, code)  # 0/x, x/inf -> +-0
+    code = jnp.where((mag_b == 0) | (mag_a == inf), inf | sign_bit, code)  # x/0, inf/x -> +-inf
+    nan = (mag_a > inf) | (mag_b > inf) | ((mag_a == 0) & (mag_b == 0)) | ((mag_a == inf) & (mag_b == inf))
+    return from_bits(jnp.where(nan, U32(0x7FC00000), code))
+
+
+def recip(a):
+    """Correctly rounded fp32 reciprocal 1/a (RNE, subnormal operands and results kept); returns float32."""
+    return div(jnp.ones(jnp.shape(a), jnp.float32), a)
 
 
 def _patch_specials(code, ba, bb, sign, zero_times_inf_is_nan):

@@ -46,7 +46,7 @@ def _min_flt_max(v):
 def global_encode_scale(amax):
     """S_enc = min(2688 / amax, FLT_MAX); 1 where amax == 0 or S_enc == 0 (amax = inf). fp32."""
     amax = jnp.asarray(amax, F32)
-    s = _min_flt_max(ENC_NUMERATOR / amax)  # a subnormal amax overflows to inf either way -> FLT_MAX
+    s = _min_flt_max(_f32.div(ENC_NUMERATOR, amax))
     return jnp.where(_f32.is_zero(amax) | _f32.is_zero(s), F32(1), s)
 
 
@@ -97,12 +97,12 @@ def _tile_amax_2d(bamax, tile):
 def _quantize_1x64(y) -> NVFP4Parts:
     bs, w = NVFP4.block_size, NVFP4.window_size
     wamax = _block_amax(y, w)  # [..., n/64]
-    s_enc_w = _min_flt_max(ENC_NUMERATOR / jnp.maximum(wamax, WINDOW_FLOOR))
+    s_enc_w = _min_flt_max(_f32.div(ENC_NUMERATOR, jnp.maximum(wamax, WINDOW_FLOOR)))
     s_enc_w = jnp.where(_f32.is_zero(wamax), F32(1), s_enc_w)
     s_enc_b = jnp.repeat(s_enc_w, w // bs, axis=-1)  # per 1x16 block
     sc = _e4m3(_f32.mul(_block_amax(y, bs), s_enc_b * INV_FP4_MAX))
     s_b = _e4m3_value(sc)
-    block_scale = jnp.where(_f32.is_zero(s_b), F32(0), s_enc_b / s_b)
+    block_scale = jnp.where(_f32.is_zero(s_b), F32(0), _f32.div(s_enc_b, s_b))
     blocks = y.reshape(*y.shape[:-1], y.shape[-1] // bs, bs)
     q = _f32.convert(_f32.mul(blocks, block_scale[..., None]), _f32.E2M1).reshape(y.shape)
     return NVFP4Parts(q, sc, None, wamax)
@@ -117,10 +117,10 @@ def dequantize(q_codes, scale_codes, amax, window_amax, fmt: NVFP4):
     v = codes.e2m1_value(q_codes).reshape(*q_codes.shape[:-1], q_codes.shape[-1] // bs, bs)
     s_b = _e4m3_value(scale_codes)
     if fmt.local_1x64:
-        s_enc_w = _min_flt_max(ENC_NUMERATOR / jnp.maximum(window_amax, WINDOW_FLOOR))
+        s_enc_w = _min_flt_max(_f32.div(ENC_NUMERATOR, jnp.maximum(window_amax, WINDOW_FLOOR)))
         s_enc_w = jnp.where(_f32.is_zero(window_amax), F32(1), s_enc_w)
         s_enc_b = jnp.repeat(s_enc_w, fmt.window_size // bs, axis=-1)
-        x = _f32.mul(v, s_b[..., None]) / s_enc_b[..., None]
+        x = _f32.div(_f32.mul(v, s_b[..., None]), s_enc_b[..., None])
     else:
         f = _f32.mul(_f32.mul(s_b, amax), INV_ENC_NUMERATOR)
         x = _f32.mul(v, f[..., None])

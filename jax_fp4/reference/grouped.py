@@ -1,0 +1,395 @@
+"""Grouped (MoE) quantize / dequantize: the pure-jnp, bit-exact reference of NUMERICS.md section 4.
+
+N matrices x_g [M_g, K_g] of one dtype live in one contiguous buffer; group g starts at flat element offset
+offsets[g] = sum_{i<g} M_i * K_i and is stored row-major. Four shape representations (TE `common/common.h`):
+
+  SAME_BOTH_DIMS     x [N*M, K], N = num_groups (static); every group is [M, K].
+  VARYING_FIRST_DIM  x [sum(M_i), K], first_dims int32[N].
+  VARYING_LAST_DIM   x [M, sum(K_i)], last_dims int32[N]. The buffer holds N row-major groups [M, K_i] one after the
+                     other (group i starts at M * sum(K_<i)); the 2-D shape is nominal, as in TE.
+  VARYING_BOTH_DIMS  x [total] (1-D), first_dims and last_dims int32[N].
+
+The representation follows from which of first_dims / last_dims are given. Sizes may be traced (a router's output):
+nothing here copies them to the host or loops over data-dependent sizes, so it is jittable and vmappable.
+
+Contract. For every group g, its slice of `data` ([offsets[g], offsets[g+1])) and of `scale`
+([offsets[g] // block, offsets[g+1] // block)) equal, bit for bit, `jax_fp4.reference.quantize(x_g, fmt, axis=axis)`
+flattened (NVFP4 axis=0: the quantization of x_g.T, data [K_g, M_g]; MXFP8 axis=0: data [M_g, K_g], scales
+[M_g/32, K_g]), and `amax[g]` (NVFP4) equals its amax. Scales are compact, group after group. Buffer positions
+past offsets[N] (a buffer larger than the groups, e.g. capacity padding) hold code 0 in data and scale, and
+dequantize to 0.
+
+Stochastic rounding. Group g uses the random stream of the single-tensor quantize (`jax_fp4.reference.sr`)
+restarted for the group with the key `jax.random.fold_in(key, g)`: element l of the group's (oriented, row-major)
+data takes byte l of the Philox stream of that key. So group g equals `quantize(x_g, fmt, axis=axis,
+key=jax.random.fold_in(key, g))`.
+
+Sizes. Empty groups (a zero dim) are legal. The groups may fill less than the buffer (sum of sizes <= x.size).
+Alignment: each group's block-axis length (K_g rowwise, M_g columnwise) must be a multiple of the block size (16
+NVFP4, 32 MXFP8). A static dimension is always checked; sizes given as numpy arrays / Python sequences / concrete
+(non-traced) jax arrays are checked too (ValueError naming the group; a concrete jax array is read to the host,
+which only happens outside jit), as are negative sizes and groups overrunning the buffer. Traced sizes cannot be
+checked: a misaligned group gets unspecified data and scales in its own slices only (every block is built from one
+group's elements, every index is bounds-checked), and the other groups keep the contract, their scales still at
+offsets[g] // block. A negative traced size counts as 0; groups overrunning the buffer (traced sizes summing past
+it) are truncated, with unspecified values. Offsets are int32 (x.size < 2**31).
+
+Not supported grouped (ValueError): NVFP4 scaling_2d and local_1x64.
+
+Technique: an "oriented gather". Internally every group is laid out in its oriented order (block axis last) at a
+block-aligned internal offset aoff[g] = sum_{i<g} round_up(M_i * K_i, block), so each block of `block`
+consecutive internal elements belongs to one group. The per-element source index in x comes from a searchsorted
+over the offsets; the per-group tensor amax is a segment_max over the blocks' |x| bit patterns (exact, NaN
+ignored); the element math is that of `nvfp4` / `mxfp8`. The internal buffer has round_up(x.size + N*(block-1),
+block) elements (room for every group's padding to whole blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fp4.formats import MXFP8, NVFP4, Format
+from jax_fp4.reference import _f32, codes, mxfp8, nvfp4, rht, sr
+from jax_fp4.reference.amax import abs_bits
+
+__all__ = ["GroupedQuantized", "Representation", "grouped_dequantize", "grouped_quantize"]
+
+I32, U32 = jnp.int32, jnp.uint32
+_FLOAT_INPUTS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+class Representation(enum.StrEnum):
+    SAME_BOTH_DIMS = "SAME_BOTH_DIMS"
+    VARYING_FIRST_DIM = "VARYING_FIRST_DIM"
+    VARYING_LAST_DIM = "VARYING_LAST_DIM"
+    VARYING_BOTH_DIMS = "VARYING_BOTH_DIMS"
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedQuantized:
+    """Grouped quantize outputs (a pytree: arrays are leaves, the rest is static).
+
+    data: 1-D [x.size], the format's data dtype (float4_e2m1fn / float8_e4m3fn / float8_e5m2): each group's data
+      flattened, at offsets[g]. scale: 1-D [x.size // block], float8_e4m3fn / float8_e8m0fnu: each group's compact
+      scales, at offsets[g] // block. amax: float32[N] per-group tensor amax (NVFP4), None (MXFP8).
+    first_dims, last_dims: int32[N] group dims (always materialized). offsets: int32[N+1] element offsets.
+    fmt, axis (-1 rowwise / 0 columnwise), representation, x_shape: static.
+    """
+
+    data: jnp.ndarray
+    scale: jnp.ndarray
+    amax: jnp.ndarray | None
+    first_dims: jnp.ndarray
+    last_dims: jnp.ndarray
+    offsets: jnp.ndarray
+    fmt: Format
+    axis: int
+    representation: Representation
+    x_shape: tuple[int, ...]
+
+    @property
+    def num_groups(self) -> int:
+        return self.first_dims.shape[-1]
+
+    @property
+    def scale_offsets(self) -> jnp.ndarray:
+        """int32[N+1]: where each group's scales start in `scale` (offsets // block size)."""
+        return self.offsets // self.fmt.block_size
+
+
+jax.tree_util.register_dataclass(
+    GroupedQuantized,
+    data_fields=["data", "scale", "amax", "first_dims", "last_dims", "offsets"],
+    meta_fields=["fmt", "axis", "representation", "x_shape"],
+)
+
+
+# ---- geometry --------------------------------------------------------------------------------------------------
+def _concrete(a) -> np.ndarray | None:
+    """a as numpy if its value is known at trace time (no tracer), else None."""
+    if a is None or isinstance(a, jax.core.Tracer):
+        return None
+    try:
+        return np.asarray(a)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _dims_array(a, name: str, n: int | None) -> jnp.ndarray:
+    if jnp.ndim(a) != 1 or not jnp.issubdtype(jnp.result_type(a), jnp.integer):
+        raise ValueError(f"grouped_quantize: {name} must be a 1-D integer array, got {jnp.result_type(a)}"
+                         f"{list(jnp.shape(a))}")
+    if n is not None and jnp.shape(a)[0] != n:
+        raise ValueError(f"grouped_quantize: {name} has {jnp.shape(a)[0]} groups, expected {n}")
+    return jnp.asarray(a).astype(I32)
+
+
+def _representation(x_shape, first_dims, last_dims, num_groups):
+    """(representation, N), validating the shape of x against it."""
+    fd, ld = first_dims is not None, last_dims is not None
+    rep = {(False, False): Representation.SAME_BOTH_DIMS, (True, False): Representation.VARYING_FIRST_DIM,
+           (False, True): Representation.VARYING_LAST_DIM, (True, True): Representation.VARYING_BOTH_DIMS}[fd, ld]
+    if rep is Representation.SAME_BOTH_DIMS:
+        if not isinstance(num_groups, (int, np.integer)) or num_groups < 1:
+            raise ValueError(f"grouped_quantize: SAME_BOTH_DIMS (no first_dims/last_dims) needs a static "
+                             f"num_groups >= 1, got {num_groups!r}")
+        n = int(num_groups)
+    else:
+        dims = first_dims if fd else last_dims
+        n = jnp.shape(dims)[0] if jnp.ndim(dims) == 1 else 0
+        if n < 1:
+            raise ValueError(f"grouped_quantize: first_dims/last_dims must be 1-D with >= 1 group, got shapes "
+                             f"{jnp.shape(first_dims) if fd else None} / {jnp.shape(last_dims) if ld else None}")
+        if num_groups is not None and num_groups != n:
+            raise ValueError(f"grouped_quantize: num_groups={num_groups} but the dims arrays have {n} groups")
+    want_nd = 1 if rep is Representation.VARYING_BOTH_DIMS else 2
+    if len(x_shape) != want_nd:
+        raise ValueError(f"grouped_quantize: {rep.value} needs a {want_nd}-D x, got shape {tuple(x_shape)}")
+    if rep is Representation.SAME_BOTH_DIMS and x_shape[0] % n:
+        raise ValueError(f"grouped_quantize: SAME_BOTH_DIMS x {tuple(x_shape)} rows not divisible by {n} groups")
+    return rep, n
+
+
+def _group_dims(x_shape, rep, first_dims, last_dims, n):
+    """int32[N] rows and cols of every group."""
+    if rep is Representation.SAME_BOTH_DIMS:
+        return jnp.full((n,), x_shape[0] // n, I32), jnp.full((n,), x_shape[1], I32)
+    if rep is Representation.VARYING_FIRST_DIM:
+        return _dims_array(first_dims, "first_dims", n), jnp.full((n,), x_shape[1], I32)
+    if rep is Representation.VARYING_LAST_DIM:
+        return jnp.full((n,), x_shape[0], I32), _dims_array(last_dims, "last_dims", n)
+    return _dims_array(first_dims, "first_dims", n), _dims_array(last_dims, "last_dims", n)
+
+
+def _check_sizes(x_shape, rep, first_dims, last_dims, n, colwise, bs, fmt):
+    """Static / concrete checks: alignment of the block axis, negative sizes, groups overrunning the buffer."""
+    what = "first dim M" if colwise else "last dim K"
+    static_block_dim = None  # the block-axis length when it is a static dimension of x
+    if rep is Representation.SAME_BOTH_DIMS:
+        static_block_dim = x_shape[0] // n if colwise else x_shape[1]
+    elif rep is Representation.VARYING_FIRST_DIM and not colwise:
+        static_block_dim = x_shape[1]
+    elif rep is Representation.VARYING_LAST_DIM and colwise:
+        static_block_dim = x_shape[0]
+    if static_block_dim is not None and static_block_dim % bs:
+        raise ValueError(f"grouped_quantize {fmt!r}: every group's {what} is {static_block_dim} (x {tuple(x_shape)},"
+                         f" {rep.value}), not a multiple of the block size {bs}")
+    fd, ld = _concrete(first_dims), _concrete(last_dims)
+    if (first_dims is not None and fd is None) or (last_dims is not None and ld is None):
+        return  # traced sizes: documented behaviour, no check possible
+    if rep is Representation.SAME_BOTH_DIMS:
+        return
+    rows = fd if fd is not None else np.full(n, x_shape[0], np.int64)
+    cols = ld if ld is not None else np.full(n, x_shape[1], np.int64)
+    rows, cols = rows.astype(np.int64), cols.astype(np.int64)
+    for g in range(n):
+        if rows[g] < 0 or cols[g] < 0:
+            raise ValueError(f"grouped_quantize: group {g} has negative dims [{rows[g]}, {cols[g]}]")
+        blk = rows[g] if colwise else cols[g]
+        if blk % bs:
+            raise ValueError(f"grouped_quantize {fmt!r}: group {g} is [{rows[g]}, {cols[g]}]; its {what} = {blk} "
+                             f"is not a multiple of the block size {bs}")
+    total = int((rows * cols).sum())
+    if total > math.prod(x_shape):
+        raise ValueError(f"grouped_quantize: the groups hold {total} elements, more than x {tuple(x_shape)}")
+
+
+def _excl_cumsum(a):
+    return jnp.concatenate([jnp.zeros((1,), I32), jnp.cumsum(a, dtype=I32)])
+
+
+class _Layout:
+    """Per-group geometry: dims, element offsets, block-aligned internal offsets, static sizes."""
+
+    def __init__(self, rows, cols, offsets, total: int, bs: int):
+        self.rows, self.cols, self.offsets, self.total, self.bs = rows, cols, offsets, total, bs
+        self.n = rows.shape[0]
+        sizes = jnp.maximum(rows, 0) * jnp.maximum(cols, 0)
+        self.aoff = _excl_cumsum((sizes + bs - 1) // bs * bs)
+        # Internal length: enough for every group block-aligned when the groups fit the buffer.
+        self.internal = -(-(total + self.n * (bs - 1)) // bs) * bs
+
+    def locate(self, pos, starts):
+        """(group, local index, valid) of positions `pos` against the group starts int32[N+1]."""
+        g = jnp.clip(jnp.searchsorted(starts, pos, side="right") - 1, 0, self.n - 1).astype(I32)
+        local = pos - starts[g]
+        return g, local, (pos >= 0) & (pos < starts[-1])
+
+
+def _c2o(local, m, k):
+    """Canonical row-major [m, k] local index -> row-major index in the transpose [k, m]."""
+    k1 = jnp.maximum(k, 1)
+    return (local % k1) * m + local // k1
+
+
+def _o2c(local, m, k):
+    """Row-major index in the transpose [k, m] -> canonical row-major [m, k] local index."""
+    m1 = jnp.maximum(m, 1)
+    return (local % m1) * k + local // m1
+
+
+def _take(src, idx, limit):
+    """src[idx] for 0 <= idx < limit, else 0 (src extended by one zero; nothing out of bounds)."""
+    ext = jnp.concatenate([src, jnp.zeros((1,), src.dtype)])
+    idx = jnp.where((idx >= 0) & (idx < limit), idx, src.shape[0])
+    return ext[idx]
+
+
+# ---- quantize --------------------------------------------------------------------------------------------------
+def _check_format(fmt, key):
+    if isinstance(fmt, NVFP4):
+        if fmt.scaling_2d or fmt.local_1x64:
+            raise ValueError(f"grouped_quantize: {fmt!r} is not supported for grouped tensors (scaling_2d and "
+                             f"local_1x64 are single-tensor only); use NVFP4 1D (optionally rht / "
+                             f"stochastic_rounding) or MXFP8")
+        if fmt.stochastic_rounding and key is None:
+            raise ValueError(f"grouped_quantize: {fmt!r} needs a PRNG key (grouped_quantize(..., key=key))")
+    elif not isinstance(fmt, MXFP8):
+        raise ValueError(f"grouped_quantize: fmt must be jax_fp4.NVFP4(...) or jax_fp4.MXFP8(...), got {fmt!r}")
+
+
+def _normalize_axis(axis) -> int:
+    if axis not in (-2, -1, 0, 1):
+        raise ValueError(f"grouped_quantize: axis must be -1 (rowwise, blocks along each group's last dim) or 0 "
+                         f"(columnwise, along its first dim), got {axis!r}")
+    return -1 if axis % 2 else 0
+
+
+def grouped_quantize(x, fmt: Format, *, first_dims=None, last_dims=None, num_groups: int | None = None,
+                     axis: int = -1, key=None) -> GroupedQuantized:
+    """Quantize N groups held in one buffer x to `fmt` (see the module docstring for the representations).
+
+    Args:
+      x: bfloat16/float16/float32 buffer; 2-D for SAME_BOTH_DIMS / VARYING_FIRST_DIM / VARYING_LAST_DIM, 1-D for
+        VARYING_BOTH_DIMS.
+      fmt: NVFP4 (1D, optionally rht and/or stochastic_rounding) or MXFP8 (e4m3 / e5m2).
+      first_dims, last_dims: int[N] group dims (may be traced); which are given picks the representation.
+      num_groups: static N for SAME_BOTH_DIMS (optional consistency check otherwise).
+      axis: -1 rowwise (blocks along each group's last dim), 0 columnwise (along its first dim).
+      key: JAX PRNG key, required for NVFP4 stochastic rounding (group g uses fold_in(key, g)).
+
+    Returns:
+      GroupedQuantized (a jit-returnable pytree).
+
+    Raises:
+      ValueError: unsupported format options, bad dtype / shapes / axis, concrete misaligned or overrunning sizes.
+    """
+    _check_format(fmt, key)
+    x = jnp.asarray(x)
+    first_dims, last_dims = (np.asarray(d) if isinstance(d, (list, tuple)) else d for d in (first_dims, last_dims))
+    if jnp.dtype(x.dtype) not in _FLOAT_INPUTS:
+        raise ValueError(f"grouped_quantize {fmt!r}: x must be bfloat16, float16 or float32, got {x.dtype}"
+                         f"{list(x.shape)}")
+    axis = _normalize_axis(axis)
+    colwise, bs = axis == 0, fmt.block_size
+    rep, n = _representation(x.shape, first_dims, last_dims, num_groups)
+    rows, cols = _group_dims(x.shape, rep, first_dims, last_dims, n)
+    _check_sizes(x.shape, rep, first_dims, last_dims, n, colwise, bs, fmt)
+    offsets = _excl_cumsum(jnp.maximum(rows, 0) * jnp.maximum(cols, 0))  # VARYING_LAST_DIM: M * cumsum(K_i)
+    lay = _Layout(rows, cols, offsets, x.size, bs)
+    transposed = colwise  # the internal (oriented) order is [K_g, M_g] for every columnwise format
+
+    # Oriented gather: internal position -> group, oriented local index -> source element of x.
+    g, local, valid = lay.locate(jnp.arange(lay.internal, dtype=I32), lay.aoff)
+    m, k = rows[g], cols[g]
+    src = offsets[g] + (_o2c(local, m, k) if transposed else local)
+    y = _take(x.reshape(-1), jnp.where(valid, src, -1), x.size).astype(jnp.float32)
+    gb, lb = g[::bs], local[::bs] // bs  # per internal block: group and block index inside the group
+
+    if isinstance(fmt, NVFP4):
+        q, sc, amax = _nvfp4_blocks(y, fmt, gb, lb, n, key)
+    else:
+        q, sc = mxfp8.quantize(y, fmt)
+        amax = None
+
+    # Data: output position -> internal position (NVFP4 stores the oriented order; MXFP8 keeps [M_g, K_g]).
+    p = jnp.arange(x.size, dtype=I32)
+    g2, l2, v2 = lay.locate(p, offsets)
+    mxfp8_col = transposed and isinstance(fmt, MXFP8)
+    l2 = _c2o(l2, rows[g2], cols[g2]) if mxfp8_col else l2
+    data = _take(q, jnp.where(v2, lay.aoff[g2] + l2, -1), lay.internal)
+    # Scales: output slot -> internal block.
+    so = offsets // bs
+    s = jnp.arange(x.size // bs, dtype=I32)
+    g3, l3, v3 = lay.locate(s, so)
+    l3 = _c2o(l3, rows[g3] // bs, cols[g3]) if mxfp8_col else l3
+    scale = _take(sc, jnp.where(v3, lay.aoff[g3] // bs + l3, -1), lay.internal // bs)
+    return GroupedQuantized(
+        codes.to_dtype(data, fmt.data_dtype), codes.to_dtype(scale, fmt.scale_dtype), amax, rows, cols, offsets,
+        fmt, axis, rep, tuple(x.shape),
+    )
+
+
+def _nvfp4_blocks(y, fmt: NVFP4, gb, lb, n: int, key):
+    """NVFP4 1D math of `nvfp4.quantize` with a per-group tensor scale. y: f32 [internal], oriented and block
+    aligned; gb / lb: group and in-group index of every 16-block. Returns (codes, scale codes, amax f32[N])."""
+    bs = fmt.block_size
+    if fmt.rht:
+        y = rht.forward(y)
+    bbits = jnp.max(abs_bits(y).reshape(-1, bs), axis=1, initial=0)  # block amax bits (NaN ignored)
+    # Per-group tensor amax: blocks outside every group are all-zero, so they change no max.
+    amax = _f32.from_bits(jax.ops.segment_max(bbits, gb, num_segments=n, indices_are_sorted=True))
+    s_enc = nvfp4.global_encode_scale(amax)  # [N]
+    s_dec = _f32.recip(s_enc)
+    sc = nvfp4._e4m3(_f32.mul(_f32.from_bits(bbits), (s_enc * nvfp4.INV_FP4_MAX)[gb]))
+    e_b = nvfp4._min_flt_max(_f32.recip(_f32.mul(nvfp4._e4m3_value(sc), s_dec[gb])))
+    v = _f32.mul(y.reshape(-1, bs), e_b[:, None])
+    if fmt.stochastic_rounding:
+        q = sr.round_e2m1(v, _sr_bytes(key, gb, lb, n))
+    else:
+        q = _f32.convert(v, _f32.E2M1)
+    return q.reshape(-1), sc, amax
+
+
+def _sr_bytes(key, gb, lb, n: int):
+    """Random bytes [blocks, 16]: block lb of group g takes Philox counter lb with the words of fold_in(key, g) —
+    bytes 16*lb .. 16*lb+15 of `sr.random_bytes(fold_in(key, g), group data shape)`."""
+    keys = jax.vmap(lambda i: sr.philox_key(jax.random.fold_in(key, i)))(jnp.arange(n, dtype=U32))  # [N, 2]
+    k = keys[gb]
+    ctr = lb.astype(U32)
+    zero = jnp.zeros_like(ctr)
+    w = jnp.stack(sr.philox4x32_10((ctr, zero, zero, zero), (k[:, 0], k[:, 1])), axis=-1)  # [blocks, 4]
+    return ((w[..., None] >> jnp.array([0, 8, 16, 24], U32)) & U32(0xFF)).reshape(-1, 16)
+
+
+# ---- dequantize ------------------------------------------------------------------------------------------------
+def grouped_dequantize(gq: GroupedQuantized, dtype: Any = jnp.float32) -> jnp.ndarray:
+    """Inverse of `grouped_quantize`: `dtype` (f32/bf16/f16) values shaped like the original x.
+
+    Group g equals `jax_fp4.reference.dequantize` of its single-tensor quantization; positions outside every group
+    are 0. Jittable and vmappable like the quantize.
+    """
+    fmt, bs = gq.fmt, gq.fmt.block_size
+    total = math.prod(gq.x_shape)
+    rows, cols, offsets = gq.first_dims.astype(I32), gq.last_dims.astype(I32), gq.offsets.astype(I32)
+    lay = _Layout(rows, cols, offsets, total, bs)
+    transposed = gq.axis == 0
+    mxfp8_col = transposed and isinstance(fmt, MXFP8)
+
+    # Internal (oriented, block-aligned) position -> stored data position, internal block -> stored scale slot.
+    g, local, valid = lay.locate(jnp.arange(lay.internal, dtype=I32), lay.aoff)
+    m, k = rows[g], cols[g]
+    didx = offsets[g] + (_o2c(local, m, k) if mxfp8_col else local)
+    q = _take(codes.from_dtype(gq.data), jnp.where(valid, didx, -1), total)
+    gb, lb, vb = g[::bs], local[::bs] // bs, valid[::bs]
+    sidx = offsets[gb] // bs + (_o2c(lb, rows[gb] // bs, cols[gb]) if mxfp8_col else lb)
+    sc = _take(codes.from_dtype(gq.scale), jnp.where(vb, sidx, -1), total // bs)
+
+    if isinstance(fmt, NVFP4):
+        v = nvfp4.dequantize(q, sc, gq.amax[gb], None, fmt)  # per-block amax broadcasts like the scalar
+    else:
+        v = mxfp8.dequantize(codes.to_dtype(q, fmt.data_dtype), sc, fmt)
+
+    # Output position (x layout) -> internal position.
+    p = jnp.arange(total, dtype=I32)
+    g2, l2, v2 = lay.locate(p, offsets)
+    l2 = _c2o(l2, rows[g2], cols[g2]) if transposed else l2
+    out = _take(v, jnp.where(v2, lay.aoff[g2] + l2, -1), lay.internal)
+    return codes.output(out, dtype).reshape(gq.x_shape)
