@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 
 from jax_fp4.formats import NVFP4, Format

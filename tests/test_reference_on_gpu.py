@@ -72,6 +72,6 @@ def test_reference_gpu_equals_cpu(fmt, dtype, scale_exp, axis):
             continue
         np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{name} differs CPU vs GPU")
     for out in (jnp.float32, jnp.bfloat16, jnp.float16):
-        dc = _on(cpu, lambda q: jax_fp4.dequantize(q, out), qc)
-        dg = _on(gpu, lambda q: jax_fp4.dequantize(q, out), qc)
+        dc = _on(cpu, lambda q, out=out: jax_fp4.dequantize(q, out), qc)
+        dg = _on(gpu, lambda q, out=out: jax_fp4.dequantize(q, out), qc)
         np.testing.assert_array_equal(_bits(dc), _bits(dg), err_msg=f"dequantize to {out} differs CPU vs GPU")

@@ -337,14 +337,8 @@ def _nvfp4_blocks(y, fmt: NVFP4, gb, lb, n: int, key):
     # Per-group tensor amax: blocks outside every group are all-zero, so they change no max.
     amax = _f32.from_bits(jax.ops.segment_max(bbits, gb, num_segments=n, indices_are_sorted=True))
     s_enc = nvfp4.global_encode_scale(amax)  # [N]
-    s_dec = _f32.recip(s_enc)
-    sc = nvfp4._e4m3(_f32.mul(_f32.from_bits(bbits), (s_enc * nvfp4.INV_FP4_MAX)[gb]))
-    e_b = nvfp4._min_flt_max(_f32.recip(_f32.mul(nvfp4._e4m3_value(sc), s_dec[gb])))
-    v = _f32.mul(y.reshape(-1, bs), e_b[:, None])
-    if fmt.stochastic_rounding:
-        q = sr.round_e2m1(v, _sr_bytes(key, gb, lb, n))
-    else:
-        q = _f32.convert(v, _f32.E2M1)
+    rbytes = _sr_bytes(key, gb, lb, n) if fmt.stochastic_rounding else None
+    q, sc = nvfp4.encode_blocks(y.reshape(-1, bs), _f32.from_bits(bbits), s_enc[gb], rbytes)
     return q.reshape(-1), sc, amax
 
 

@@ -58,10 +58,20 @@ def _e4m3_value(c):
     return codes.small_float_value(codes.to_dtype(c, jnp.float8_e4m3fn))
 
 
-def _round(v, fmt: NVFP4, key):
-    if fmt.stochastic_rounding:
-        return sr.round_e2m1(v, sr.random_bytes(key, v.shape))
-    return _f32.convert(v, _f32.E2M1)
+def encode_blocks(blocks, bamax, s_enc, rbytes=None):
+    """The 1x16 block step shared by single-tensor and grouped quantize.
+
+    blocks: f32 [..., nb, 16]; bamax: f32 [..., nb] block (or 2D tile) amax; s_enc: f32 encode scale broadcastable
+    to bamax (the tensor's S_enc, or each block's group's); rbytes: uint32 [..., nb, 16] random bytes for
+    stochastic rounding, or None for RNE. Returns (E2M1 codes [..., nb, 16], E4M3 scale codes [..., nb]), uint32:
+    s_b = e4m3(bamax * (S_enc * fp32(1/6))); e_b = min(1 / (s_b * S_dec), FLT_MAX); q = e2m1(x * e_b).
+    """
+    s_enc = jnp.asarray(s_enc, F32)
+    sc = _e4m3(_f32.mul(bamax, s_enc * INV_FP4_MAX))
+    e_b = _min_flt_max(_f32.recip(_f32.mul(_e4m3_value(sc), _f32.recip(s_enc))))
+    v = _f32.mul(blocks, e_b[..., None])
+    q = _f32.convert(v, _f32.E2M1) if rbytes is None else sr.round_e2m1(v, rbytes)
+    return q, sc
 
 
 def quantize(y, fmt: NVFP4, key=None) -> NVFP4Parts:
@@ -73,16 +83,13 @@ def quantize(y, fmt: NVFP4, key=None) -> NVFP4Parts:
         return _quantize_1x64(y)
     bs = fmt.block_size
     tensor_amax = _f32.from_bits(jnp.max(abs_bits(y), initial=0))
-    s_enc = global_encode_scale(tensor_amax)
-    s_dec = _f32.recip(s_enc)
     bamax = _block_amax(y, bs)  # [..., n/16]
     if fmt.scaling_2d:
         bamax = _tile_amax_2d(bamax, fmt.tile_2d)
-    sc = _e4m3(_f32.mul(bamax, s_enc * INV_FP4_MAX))
-    e_b = _min_flt_max(_f32.recip(_f32.mul(_e4m3_value(sc), s_dec)))
     blocks = y.reshape(*y.shape[:-1], y.shape[-1] // bs, bs)
-    q = _round(_f32.mul(blocks, e_b[..., None]), fmt, key).reshape(y.shape)
-    return NVFP4Parts(q, sc, tensor_amax, None)
+    rbytes = sr.random_bytes(key, blocks.shape) if fmt.stochastic_rounding else None
+    q, sc = encode_blocks(blocks, bamax, global_encode_scale(tensor_amax), rbytes)
+    return NVFP4Parts(q.reshape(y.shape), sc, tensor_amax, None)
 
 
 def _tile_amax_2d(bamax, tile):

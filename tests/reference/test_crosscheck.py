@@ -12,6 +12,7 @@ import pytest
 
 import jax_fp4
 from jax_fp4.reference import _f32
+from jax_fp4.reference import mxfp8 as ref_mxfp8
 
 from ._util import FLT_MAX, codes_of, dequantize, p2, quantize
 
@@ -150,6 +151,29 @@ def test_mxfp8_agrees_with_jax_nn_on_normal_data(rng, element):
         q = quantize(jnp.asarray(data), fmt)
         np.testing.assert_array_equal(codes_of(q.scale), js)
         np.testing.assert_array_equal(codes_of(q.data), jd)
+
+
+def _e8m0_np(v):
+    """The E8M0 rule of NUMERICS.md s2 in numpy (v >= 0 finite)."""
+    b = v.view(np.uint32)
+    e, m = (b >> 23) & 0xFF, b & 0x7FFFFF
+    return e + ((m > 0) & (e != 0xFE) & ~((e == 0) & (m <= 0x400000)))
+
+
+@pytest.mark.parametrize("max_norm,exps", [(448.0, [135] + list(range(0, 10))), (57344.0, [135, 0, 16, 17])])
+def test_e8m0_division_equals_reciprocal_product_exhaustively(max_norm, exps):
+    """Every fp32 amax of the given binades (biased exponent fields `exps`, all 2**23 mantissas each): the reference's
+    e8m0(amax * fp32(1/max)) == e8m0(amax / max) with IEEE division (numpy), i.e. the rule jax.nn uses. Binade 135
+    ([256, 512)) covers every amax whose v is normal (scaling by 2**k is exact there); the low binades cover the
+    subnormal v range. So the division in jax.nn's recipe is never the source of an MXFP8 scale difference."""
+    f = jax.jit(lambda a: ref_mxfp8.e8m0_from_float(_f32.mul(a, np.float32(1 / max_norm))))
+    for ex in exps:
+        a = (np.arange(2**23, dtype=np.uint32) | np.uint32(ex << 23)).view(np.float32)
+        with np.errstate(under="ignore"):
+            want = _e8m0_np(a / np.float32(max_norm))
+        got = np.asarray(f(jnp.asarray(a)))
+        bad = np.nonzero(got != want)[0]
+        assert bad.size == 0, [(float(a[i]), int(got[i]), int(want[i])) for i in bad[:5]]
 
 
 # (block leading values, our E8M0 code and data codes [hand-derived, see test_edge_table_mxfp8], jax.nn's under

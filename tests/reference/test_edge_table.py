@@ -190,6 +190,26 @@ def test_tensor_with_subnormal_amax():
     assert np.asarray(xh)[0, 0] == np.float32(1072 * 2.0**-149)
 
 
+def test_block_scale_product_order():
+    """s_b = e4m3(block_amax * (S_enc * r6)) with the product S_enc * r6 formed FIRST (NUMERICS.md s1) — the other
+    association rounds differently at an E4M3 tie. amax A = 3 -> S_enc = 2688/3 = 896 exactly.
+      P = fl(896 * r6): r6 = 1/6 + 1/(3 * 2**26), so 896 * r6 = 149 + 1/3 + 4.45e-6; in units of ulp(149) = 2**-16
+        that is 9786709.625 -> 9786710, P = 9786710 * 2**-16 (= 149.33334).
+      Block 1 amax a = 9 * 2**-12: exact a * 896/6 = 0.328125 = 21/64, the midpoint of the E4M3 values 0.3125
+        (0x2A) and 0.34375 (0x2B). Ours: a * P = 9 * 9786710 * 2**-28 = 0.328125 + 6 * 2**-28 -> fp32 (ulp 2**-25
+        = 8 * 2**-28) rounds up to 0.328125 + 2**-25, above the tie -> 0.34375 (0x2B).
+      The other order: fl(a * 896) = 1.96875 exactly, * r6 = 0.328125 + 9.8e-9 < half-ulp 1.5e-8 -> 0.328125, an
+        exact tie -> even mantissa -> 0.3125 (0x2A).
+    Block 0 = [3]: s_b = e4m3(3 * P = 448.00003) = 448 (0x7E).
+    """
+    x = _blocks([3.0], [9 * p2(-12)])
+    q, d, s, _ = _q(x)
+    assert float(q.amax) == 3.0
+    assert s[0, :2].tolist() == [0x7E, 0x2B]
+    P = np.float32(896) * np.float32(1 / 6)
+    assert P == np.float32(9786710 * 2.0**-16)  # the fp32 arithmetic above, spelled out
+
+
 def test_scaling_2d_tile_scale():
     """16x32, 2D scaling: one s_b per 16x16 tile, broadcast to its 16 rows.
 
