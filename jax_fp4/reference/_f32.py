@@ -33,22 +33,21 @@ def from_bits(b) -> jnp.ndarray:
 
 
 class Target(NamedTuple):
-    """A binary floating-point target: mantissa bits, exponent bias, largest finite code, overflow code."""
+    """A binary floating-point target: mantissa bits, exponent bias, largest finite code, overflow code, NaN code."""
 
     mbits: int
     bias: int
     max_code: int  # largest finite magnitude code
     overflow_code: int  # code for overflow (inf, or max_code for satfinite formats)
     nan_code: int  # canonical NaN (for E2M1, which has none: the satfinite result +6)
-    nan_sign: bool  # whether NaN keeps the input's sign bit
 
 
-F32 = Target(23, 127, 0x7F7FFFFF, 0x7F800000, 0x7FC00000, False)
-BF16 = Target(7, 127, 0x7F7F, 0x7F80, 0x7FC0, False)
-F16 = Target(10, 15, 0x7BFF, 0x7C00, 0x7E00, False)
-E4M3 = Target(3, 7, 0x7E, 0x7E, 0x7F, False)  # satfinite: overflow and inf saturate to 448
-E5M2 = Target(2, 15, 0x7B, 0x7B, 0x7F, False)  # satfinite: overflow and inf saturate to 57344
-E2M1 = Target(1, 1, 0x7, 0x7, 0x7, False)  # satfinite; NaN -> +6
+F32 = Target(23, 127, 0x7F7FFFFF, 0x7F800000, 0x7FC00000)
+BF16 = Target(7, 127, 0x7F7F, 0x7F80, 0x7FC0)
+F16 = Target(10, 15, 0x7BFF, 0x7C00, 0x7E00)
+E4M3 = Target(3, 7, 0x7E, 0x7E, 0x7F)  # satfinite: overflow and inf saturate to 448
+E5M2 = Target(2, 15, 0x7B, 0x7B, 0x7F)  # satfinite: overflow and inf saturate to 57344
+E2M1 = Target(1, 1, 0x7, 0x7, 0x7)  # satfinite; NaN -> +6
 
 
 def _clz(x):
@@ -136,7 +135,7 @@ def mul(a, b):
     sticky = (lo & U32(0xFFFF)) != 0
     sign = sa ^ sb
     code = encode(sign, sig, sticky, ea + eb - 30, F32)
-    return from_bits(_patch_specials(code, ba, bb, sign, zero_times_inf_is_nan=True))
+    return from_bits(_patch_specials(code, ba, bb, sign))
 
 
 def div(a, b):
@@ -172,7 +171,7 @@ def recip(a):
     return div(jnp.ones(jnp.shape(a), jnp.float32), a)
 
 
-def _patch_specials(code, ba, bb, sign, zero_times_inf_is_nan):
+def _patch_specials(code, ba, bb, sign):
     ma, mb = ba & U32(0x7FFFFFFF), bb & U32(0x7FFFFFFF)
     inf = U32(0x7F800000)
     sign_bit = sign << 31
@@ -180,9 +179,7 @@ def _patch_specials(code, ba, bb, sign, zero_times_inf_is_nan):
     is_inf = (ma == inf) | (mb == inf)
     code = jnp.where(is_zero, sign_bit, code)
     code = jnp.where(is_inf, inf | sign_bit, code)
-    nan = (ma > inf) | (mb > inf)
-    if zero_times_inf_is_nan:
-        nan = nan | (is_zero & is_inf)
+    nan = (ma > inf) | (mb > inf) | (is_zero & is_inf)
     return jnp.where(nan, U32(0x7FC00000), code)
 
 
