@@ -13,13 +13,13 @@ from jax_fp4._src import ffi as _ffi
 from jax_fp4._src.ffi import HAS_CUDA_KERNELS, ReferenceOnlyWarning
 from jax_fp4._src.primitives.amax import tensor_amax
 from jax_fp4.formats import MXFP8, NVFP4, Format
-from jax_fp4.quantize import dequantize, quantize, swizzle_scales, unswizzle_scales
+from jax_fp4.quantize import dequantize, quantize, quantize_rowwise_columnwise, swizzle_scales, unswizzle_scales
 from jax_fp4.quantized_array import QuantizedArray
 
 __version__ = "0.1.0"
 
 __all__ = [
     "HAS_CUDA_KERNELS", "MXFP8", "NVFP4", "Format", "QuantizedArray", "ReferenceOnlyWarning", "dequantize",
-    "quantize", "reference", "swizzle_scales", "tensor_amax", "unswizzle_scales",
+    "quantize", "quantize_rowwise_columnwise", "reference", "swizzle_scales", "tensor_amax", "unswizzle_scales",
 ]
 del _ffi

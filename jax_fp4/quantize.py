@@ -1,15 +1,56 @@
-"""Public quantize / dequantize (ops layer). Kernels are swapped in behind these signatures by later issues;
-today every path runs the bit-exact reference (`jax_fp4.reference`), which XLA compiles for CPU and GPU alike."""
+"""Public quantize / dequantize (ops layer).
+
+`quantize` and `quantize_rowwise_columnwise` view x as [P, M, K] around the block axis and bind the `jf4_quantize`
+primitive (CUDA kernel where built, the bit-exact reference elsewhere), after an amax pass (`tensor_amax`, or
+`rht_amax` for RHT operands) for formats with a tensor scale.
+"""
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 
 from jax_fp4 import reference
-from jax_fp4.formats import Format
+from jax_fp4._src.primitives.amax import tensor_amax
+from jax_fp4._src.primitives.quantize import quantize_3d
+from jax_fp4._src.primitives.rht_amax import rht_amax
+from jax_fp4.formats import NVFP4, Format
 from jax_fp4.quantized_array import SCALE_LAYOUTS, QuantizedArray
+from jax_fp4.reference.sr import philox_key
 
-__all__ = ["quantize", "dequantize", "swizzle_scales", "unswizzle_scales"]
+__all__ = ["quantize", "quantize_rowwise_columnwise", "dequantize", "swizzle_scales", "unswizzle_scales"]
+
+def _check_layout(scale_layout, x, fmt):
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(
+            f"quantize: scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r} "
+            f"(x {jnp.result_type(x)}{list(jnp.shape(x))}, {fmt!r})"
+        )
+
+
+def _amax(x, x3, fmt, orientation):
+    """float32[P]: the tensor amax an NVFP4 1D/2D/RHT orientation encodes with (zeros when unused)."""
+    P = x3.shape[0]
+    if not isinstance(fmt, NVFP4) or fmt.local_1x64:
+        return jnp.zeros((P,), jnp.float32)
+    a = jnp.max(rht_amax(x3, orientation)) if fmt.rht else tensor_amax(x)
+    return jnp.broadcast_to(a, (P,))
+
+
+def _key_words(fmt, key):
+    if isinstance(fmt, NVFP4) and fmt.stochastic_rounding:
+        return philox_key(key)
+    return jnp.zeros((2,), jnp.uint32)
+
+
+def _scalar_amax(fmt, amax):
+    return amax[0] if isinstance(fmt, NVFP4) and not fmt.local_1x64 else None
+
+
+def _wamax(fmt, w, shape):
+    return w.reshape(shape) if isinstance(fmt, NVFP4) and fmt.local_1x64 else None
 
 
 def quantize(x, fmt: Format, *, axis: int = -1, key=None, scale_layout: str = "compact") -> QuantizedArray:
@@ -26,21 +67,108 @@ def quantize(x, fmt: Format, *, axis: int = -1, key=None, scale_layout: str = "c
     Returns:
       QuantizedArray (see its docstring for every field's shape, dtype and packing).
 
-    Constraints (checked at trace time, ValueError naming the shape, dtype and format):
-      dtype bfloat16/float16/float32; rank >= 1; x.shape[axis] % block_size == 0 (16 NVFP4, 32 MXFP8);
-      NVFP4 scaling_2d: the other axes flattened % 16 == 0; local_1x64: block axis and other axes % 64 == 0;
-      stochastic rounding needs `key`.
+    Raises:
+      ValueError (at trace time, naming the shape, dtype and format): dtype not bfloat16/float16/float32; rank 0;
+      x.shape[axis] % block_size != 0 (16 NVFP4, 32 MXFP8); NVFP4 scaling_2d with the flattened other axes
+      % 16 != 0; local_1x64 with the block axis or the other axes % 64 != 0; stochastic rounding without `key`;
+      an unknown scale_layout.
 
-    Numerics: NUMERICS.md sections 1-3 (TE `core_nvfp4.cuh`, `quantize_mxfp8.cuh`), bit for bit.
+    Numerics: NUMERICS.md sections 1-3 (TE `core_nvfp4.cuh`, `quantize_mxfp8.cuh`), bit for bit on every platform.
     """
-    if scale_layout not in SCALE_LAYOUTS:
-        raise ValueError(f"quantize: scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+    _check_layout(scale_layout, x, fmt)
     axis = reference.quantize_module.check_inputs(x, fmt, axis, key)
-    q = reference.quantize(x, fmt, axis=axis, key=key)
-    scale = q.scale
-    if scale_layout == "swizzled":
-        scale = reference.swizzle_scales(scale, fmt, axis)
-    return QuantizedArray(q.data, scale, q.amax, q.window_amax, fmt=fmt, axis=axis, scale_layout=scale_layout)
+    x = jnp.asarray(x)
+    shape = x.shape
+    a = axis % x.ndim
+    if a == x.ndim - 1:
+        x3 = x.reshape(1, math.prod(shape[:-1]), shape[-1])
+        row_fmt, col_fmt, orient = fmt, None, "row"
+    else:
+        x3 = x.reshape(math.prod(shape[:a]), shape[a], math.prod(shape[a + 1:]))
+        row_fmt, col_fmt, orient = None, fmt, "col"
+    amax = _amax(x, x3, fmt, orient)
+    kw = _key_words(fmt, key)
+    o = quantize_3d(x3, amax, amax, kw, kw, row_fmt=row_fmt, col_fmt=col_fmt, scale_layout=scale_layout)
+    data, scale, w = (o[f"{orient}_data"], o[f"{orient}_scale"], o[f"{orient}_wamax"])
+    data = data.reshape(fmt.data_shape(shape, axis))
+    if scale_layout == "compact":
+        scale = scale.reshape(fmt.scale_shape(shape, axis))
+    w = _wamax(fmt, w, fmt.window_amax_shape(shape, axis)) if isinstance(fmt, NVFP4) else None
+    return QuantizedArray(data, scale, _scalar_amax(fmt, amax), w, fmt=fmt, axis=axis, scale_layout=scale_layout)
+
+
+def quantize_rowwise_columnwise(x, row_fmt: Format | None, col_fmt: Format | None, *, key=None,
+                                scale_layout: str = "compact", dbias: bool = False):
+    """Rowwise and columnwise quantizations of x from one read (the GEMM operands of fprop and wgrad).
+
+    x (rank >= 2) is viewed as the matrix x2 = x.reshape(M, K), M = prod(x.shape[:-1]).
+
+    Args:
+      x: bfloat16, float16 or float32 [..., K].
+      row_fmt: format of the rowwise quantization (blocks along K), or None.
+      col_fmt: format of the columnwise quantization (blocks along M), or None. Any pairing is allowed, e.g.
+        NVFP4 rowwise with MXFP8 columnwise (the NVFP4-forward / MXFP8-backward recipe) in one kernel launch.
+      key: PRNG key for stochastic rounding; the rowwise and columnwise streams use `jax.random.split(key)[0]`
+        and `[1]`.
+      scale_layout: "compact" or "swizzled" for both.
+      dbias: also return float32[K], the column sums of x (the bias gradient when x is dY).
+
+    Returns:
+      (row, col, dbias): row == quantize(x, row_fmt, axis=-1, key=k0) and col == quantize(x2, col_fmt, axis=0,
+      key=k1) bit for bit (None where the format is None); dbias float32[K] or None. dbias is an fp32 sum: its
+      value depends on the summation order (the kernel sums 64-row stripes, then the stripes), not bit-exact.
+
+    Raises:
+      ValueError as `quantize` for each orientation; both formats None; rank < 2.
+    """
+    fmt0 = row_fmt if row_fmt is not None else col_fmt
+    if fmt0 is None:
+        raise ValueError(f"quantize_rowwise_columnwise: both formats are None (x {jnp.shape(x)})")
+    _check_layout(scale_layout, x, fmt0)
+    x = jnp.asarray(x)
+    if x.ndim < 2:
+        raise ValueError(f"quantize_rowwise_columnwise: x must have rank >= 2, got {x.dtype}{list(x.shape)}")
+    M, K = math.prod(x.shape[:-1]), x.shape[-1]
+    x2 = x.reshape(M, K)
+    needs_key = any(isinstance(f, NVFP4) and f.stochastic_rounding for f in (row_fmt, col_fmt))
+    keys = jax.random.split(key) if (needs_key and key is not None) else (None, None)
+    if row_fmt is not None:
+        reference.quantize_module.check_inputs(x, row_fmt, -1, keys[0])
+    if col_fmt is not None:
+        reference.quantize_module.check_inputs(x2, col_fmt, 0, keys[1])
+    x3 = x2.reshape(1, M, K)
+    amax_r = _amax(x, x3, row_fmt, "row")
+    amax_c = amax_r if (_same_amax(row_fmt, col_fmt)) else _amax(x, x3, col_fmt, "col")
+    o = quantize_3d(x3, amax_r, amax_c, _key_words(row_fmt, keys[0]), _key_words(col_fmt, keys[1]),
+                    row_fmt=row_fmt, col_fmt=col_fmt, scale_layout=scale_layout, dbias=dbias)
+    row = col = None
+    if row_fmt is not None:
+        scale = o["row_scale"]
+        if scale_layout == "compact":
+            scale = scale.reshape(row_fmt.scale_shape(x.shape, -1))
+        w = _wamax(row_fmt, o["row_wamax"], _window_shape(row_fmt, x.shape, -1))
+        row = QuantizedArray(o["row_data"].reshape(row_fmt.data_shape(x.shape, -1)), scale,
+                             _scalar_amax(row_fmt, amax_r), w, fmt=row_fmt, axis=-1, scale_layout=scale_layout)
+    if col_fmt is not None:
+        scale = o["col_scale"]
+        if scale_layout == "compact":
+            scale = scale.reshape(col_fmt.scale_shape((M, K), -2))
+        w = _wamax(col_fmt, o["col_wamax"], _window_shape(col_fmt, (M, K), -2))
+        col = QuantizedArray(o["col_data"].reshape(col_fmt.data_shape((M, K), -2)), scale,
+                             _scalar_amax(col_fmt, amax_c), w, fmt=col_fmt, axis=-2, scale_layout=scale_layout)
+    db = jnp.sum(o["dbias"], axis=(0, 1)) if dbias else None
+    return row, col, db
+
+
+def _window_shape(fmt, shape, axis):
+    return fmt.window_amax_shape(shape, axis) if isinstance(fmt, NVFP4) else None
+
+
+def _same_amax(row_fmt, col_fmt):
+    """Both orientations encode with the plain tensor amax (no RHT, no 1x64): one amax pass serves both."""
+    def plain(f):
+        return isinstance(f, NVFP4) and not f.rht and not f.local_1x64
+    return plain(row_fmt) and plain(col_fmt)
 
 
 def _compact_scale(q: QuantizedArray):

@@ -76,20 +76,34 @@ def encode_blocks(blocks, bamax, s_enc, rbytes=None):
 
 def quantize(y, fmt: NVFP4, key=None) -> NVFP4Parts:
     """Quantize y [..., n] (block axis last, n % 16 == 0; bf16/f16/f32) to NVFP4 (1D, 2D, RHT, SR or 1x64)."""
-    y = y.astype(F32)
-    if fmt.rht:
-        y = rht.forward(y)
+    y = prepare(y, fmt)
     if fmt.local_1x64:
-        return _quantize_1x64(y)
+        return quantize_1x64(y)
+    words = sr.philox_key(key) if fmt.stochastic_rounding else None
+    return quantize_with_amax(y, fmt, _f32.from_bits(jnp.max(abs_bits(y), initial=0)), words)
+
+
+def prepare(y, fmt: NVFP4):
+    """Widen to float32 and apply the RHT when the format asks for it (block axis last)."""
+    y = y.astype(F32)
+    return rht.forward(y) if fmt.rht else y
+
+
+def quantize_with_amax(y, fmt: NVFP4, amax, key_words=None) -> NVFP4Parts:
+    """The 1D/2D quantize of an already prepared y (float32, RHT applied) with a given tensor amax.
+
+    amax: float32 broadcastable to y.shape[:-1] + (1,) (a scalar, or one per leading batch entry);
+    key_words: uint32[2] Philox key for stochastic rounding (`sr.philox_key`), else None (RNE).
+    """
     bs = fmt.block_size
-    tensor_amax = _f32.from_bits(jnp.max(abs_bits(y), initial=0))
+    amax = jnp.asarray(amax, F32)
     bamax = _block_amax(y, bs)  # [..., n/16]
     if fmt.scaling_2d:
         bamax = _tile_amax_2d(bamax, fmt.tile_2d)
     blocks = y.reshape(*y.shape[:-1], y.shape[-1] // bs, bs)
-    rbytes = sr.random_bytes(key, blocks.shape) if fmt.stochastic_rounding else None
-    q, sc = encode_blocks(blocks, bamax, global_encode_scale(tensor_amax), rbytes)
-    return NVFP4Parts(q.reshape(y.shape), sc, tensor_amax, None)
+    rbytes = None if key_words is None else sr.random_bytes_from_words(key_words, blocks.shape)
+    q, sc = encode_blocks(blocks, bamax, global_encode_scale(amax), rbytes)
+    return NVFP4Parts(q.reshape(y.shape), sc, amax, None)
 
 
 def _tile_amax_2d(bamax, tile):
@@ -101,7 +115,8 @@ def _tile_amax_2d(bamax, tile):
     return jnp.broadcast_to(t, m.shape).reshape(shape)
 
 
-def _quantize_1x64(y) -> NVFP4Parts:
+def quantize_1x64(y) -> NVFP4Parts:
+    """1x64 local encode of a float32 y [..., n] (n % 64 == 0): codes, scales and window amax [..., n/64]."""
     bs, w = NVFP4.block_size, NVFP4.window_size
     wamax = _block_amax(y, w)  # [..., n/64]
     s_enc_w = _min_flt_max(_f32.div(ENC_NUMERATOR, jnp.maximum(wamax, WINDOW_FLOOR)))

@@ -53,9 +53,13 @@ def philox_key(key):
 
 def random_bytes(key, shape):
     """uint32 array of `shape` holding one random byte (0..255) per element, per the stream above."""
+    return random_bytes_from_words(philox_key(key), shape)
+
+
+def random_bytes_from_words(k, shape):
+    """`random_bytes` from the two Philox key words k (uint32[2]) instead of a JAX key."""
     n = int(np.prod(shape))
     words_needed = -(-n // 16)
-    k = philox_key(key)
     ctr = jnp.arange(words_needed, dtype=U32)
     zero = jnp.zeros_like(ctr)
     w = jnp.stack(philox4x32_10((ctr, zero, zero, zero), (k[0], k[1])), axis=-1)  # [n/16, 4]

@@ -15,8 +15,6 @@ Transformations:
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +22,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jax_fp4._src import ffi as _ffi
+from jax_fp4._src.primitives._common import def_impl
 from jax_fp4.reference.amax import amax as _reference_amax
 
 __all__ = ["SUPPORTED_DTYPES", "amax_p", "tensor_amax"]
@@ -37,22 +36,7 @@ amax_p = Primitive("jf4_amax")
 amax_p.multiple_results = False
 
 
-def _apply_primitive_shim():
-    """`impl` rule: run the primitive eagerly by compiling it (jax.interpreters.xla.apply_primitive on 0.10-0.12)."""
-    try:
-        from jax.interpreters.xla import apply_primitive  # public on jax 0.4 ... 0.12
-    except ImportError:  # pragma: no cover - fallback for a jax that drops it
-        apply_primitive = None
-    if apply_primitive is not None:
-        return partial(apply_primitive, amax_p)
-
-    def impl(x):  # pragma: no cover
-        return jax.jit(amax_p.bind)(x)
-
-    return impl
-
-
-amax_p.def_impl(_apply_primitive_shim())
+def_impl(amax_p)
 
 
 def _check_dtype(dtype, shape) -> None:

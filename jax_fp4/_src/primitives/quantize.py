@@ -1,0 +1,241 @@
+"""`jf4_quantize`: rowwise and/or columnwise block-scaled quantization of x[P, M, K] from one read.
+
+Operands:
+  x: bfloat16/float16/float32 [P, M, K]. Rowwise blocks run along K, columnwise blocks along M, per leading p.
+  amax_row, amax_col: float32 [P], the tensor amax each NVFP4 1D/2D/RHT orientation encodes with (ignored
+    otherwise; for RHT the post-transform amax, see `rht_amax`).
+  key_row, key_col: uint32 [2], the Philox key words of NVFP4 stochastic rounding (`reference.sr.philox_key`).
+Static parameters: row_fmt, col_fmt (a Format or None; at least one), scale_layout ("compact"/"swizzled"),
+  dbias (bool).
+Results (always seven; an absent output is a placeholder uint8/float32[0]):
+  row_data   NVFP4 float4_e2m1fn[P, M, K] (packed, even index low nibble) | MXFP8 float8[P, M, K]
+  row_scale  compact NVFP4 float8_e4m3fn[P, M, K/16] | MXFP8 float8_e8m0fnu[P, M, K/32];
+             swizzled: the padded 2-D GEMM layout of the [P*M, K/bs] scale matrix
+  row_wamax  float32[P, M, K/64] for NVFP4 1x64
+  col_data   NVFP4 float4_e2m1fn[P, K, M] (the rowwise quantization of x[p].T) | MXFP8 float8[P, M, K]
+  col_scale  compact NVFP4 float8_e4m3fn[P, K, M/16] | MXFP8 float8_e8m0fnu[P, M/32, K];
+             swizzled: the padded GEMM layout of the [P*K, M/bs] scale matrix
+  col_wamax  float32[P, K, M/64] for NVFP4 1x64
+  dbias      float32[P, ceil(M/64), K]: column sums of x over each 64-row stripe (summed by the caller)
+
+Lowerings: CUDA FFI target `jf4_quantize` (cpp/quantize/) when the extension is built; the bit-exact reference
+(`jax_fp4.reference`) otherwise, and for the one layout the kernel does not tile (2D columnwise with P > 1 and
+K % 16 != 0, whose 16x16 tiles cross p). vmap folds the batch into P (compact scales, unbatched keys), else maps the
+reference. Not differentiable (the recipes' custom_vjp never differentiates it).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from jax_fp4._src import ffi as _ffi
+from jax_fp4._src.primitives._common import def_impl
+from jax_fp4.formats import MXFP8, NVFP4, Format, round_up
+from jax_fp4.quantized_array import SCALE_LAYOUTS
+from jax_fp4.reference import codes, layout, mxfp8, nvfp4
+
+__all__ = ["quantize_p", "quantize_3d", "DBIAS_ROWS", "OUTPUT_NAMES"]
+
+DBIAS_ROWS = 64  # rows per dbias partial sum (the kernel's tile height)
+OUTPUT_NAMES = ("row_data", "row_scale", "row_wamax", "col_data", "col_scale", "col_wamax", "dbias")
+_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+# FFI attribute encoding (cpp/quantize/quantize_params.h).
+KIND_NONE, KIND_NVFP4, KIND_MXFP8_E4M3, KIND_MXFP8_E5M2 = 0, 1, 2, 3
+OPT_SR, OPT_RHT, OPT_2D, OPT_1X64 = 1, 2, 4, 8
+COL_SHIFT = 8
+FLAG_SWIZZLED, FLAG_DBIAS = 1 << 16, 1 << 17
+
+quantize_p = Primitive("jf4_quantize")
+quantize_p.multiple_results = True
+def_impl(quantize_p)
+
+
+def _placeholder(dtype):
+    return jax.core.ShapedArray((0,), dtype)
+
+
+def _orientation_avals(fmt, P, M, K, col, swizzled):
+    """(data, scale, window amax) avals of one orientation."""
+    if fmt is None:
+        return _placeholder(jnp.uint8), _placeholder(jnp.uint8), _placeholder(jnp.float32)
+    bs = fmt.block_size
+    if isinstance(fmt, NVFP4):
+        rows, n = (K, M) if col else (M, K)
+        data = (P, rows, n)
+        scale = (P, rows, n // bs)
+        wamax = (P, rows, n // fmt.window_size) if fmt.local_1x64 else None
+        matrix = (P * rows, n // bs)
+    else:
+        data = (P, M, K)
+        scale = (P, M // bs, K) if col else (P, M, K // bs)
+        wamax = None
+        matrix = (P * K, M // bs) if col else (P * M, K // bs)
+    if swizzled:
+        scale = (round_up(matrix[0], 128), round_up(matrix[1], 4))
+    wamax_aval = jax.core.ShapedArray(wamax, jnp.float32) if wamax else _placeholder(jnp.float32)
+    return (jax.core.ShapedArray(data, fmt.data_dtype), jax.core.ShapedArray(scale, fmt.scale_dtype), wamax_aval)
+
+
+def _check(x_shape, x_dtype, row_fmt, col_fmt, scale_layout):
+    where = f"jf4_quantize: x {jnp.dtype(x_dtype)}{list(x_shape)}"
+    if len(x_shape) != 3:
+        raise ValueError(f"{where}: expected rank 3 [P, M, K]")
+    if row_fmt is None and col_fmt is None:
+        raise ValueError(f"{where}: no rowwise or columnwise format requested")
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"{where}: scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+    for fmt, axis in ((row_fmt, -1), (col_fmt, -2)):
+        if fmt is not None:
+            if not isinstance(fmt, Format):
+                raise ValueError(f"{where}: expected a jax_fp4 Format, got {fmt!r}")
+            fmt.validate(x_shape, x_dtype, axis)
+
+
+def _abstract_eval(x, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt, scale_layout, dbias):
+    _check(x.shape, x.dtype, row_fmt, col_fmt, scale_layout)
+    P, M, K = x.shape
+    for name, a, shape, dt in (("amax_row", amax_row, (P,), jnp.float32), ("amax_col", amax_col, (P,), jnp.float32),
+                               ("key_row", key_row, (2,), jnp.uint32), ("key_col", key_col, (2,), jnp.uint32)):
+        if a.shape != shape or a.dtype != dt:
+            raise ValueError(f"jf4_quantize: {name} must be {jnp.dtype(dt)}{list(shape)}, got {a.dtype}{list(a.shape)}")
+    swz = scale_layout == "swizzled"
+    outs = _orientation_avals(row_fmt, P, M, K, False, swz) + _orientation_avals(col_fmt, P, M, K, True, swz)
+    db = jax.core.ShapedArray((P, -(-M // DBIAS_ROWS), K), jnp.float32) if dbias else _placeholder(jnp.float32)
+    return (*outs, db)
+
+
+quantize_p.def_abstract_eval(_abstract_eval)
+
+
+# ---- reference lowering -----------------------------------------------------------------------------------------
+def _reference_orientation(y, fmt, amax, key_words, col, swizzled):
+    """y: x (row) or x with M and K swapped (col), block axis last; returns (data, scale, wamax)."""
+    wamax = jnp.zeros((0,), jnp.float32)
+    if isinstance(fmt, NVFP4):
+        y = nvfp4.prepare(y, fmt)
+        if fmt.local_1x64:
+            parts = nvfp4.quantize_1x64(y)
+            wamax = parts.window_amax
+        else:
+            parts = nvfp4.quantize_with_amax(y, fmt, amax[:, None, None], key_words if fmt.stochastic_rounding else None)
+        data, sc = codes.to_dtype(parts.codes, fmt.data_dtype), parts.scale_codes
+    else:
+        q, sc = mxfp8.quantize(y, fmt)
+        data = codes.to_dtype(q, fmt.data_dtype)
+        if col:
+            data = jnp.swapaxes(data, 1, 2)
+    scale = codes.to_dtype(sc, fmt.scale_dtype)  # block axis last
+    if swizzled:
+        scale = layout.swizzle(scale.reshape(-1, scale.shape[-1]))
+    elif col and isinstance(fmt, MXFP8):
+        scale = jnp.swapaxes(scale, 1, 2)
+    return data, scale, wamax
+
+
+def reference_outputs(x, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt, scale_layout, dbias):
+    """The primitive's semantics in pure jnp (its default lowering, and the vmap fallback)."""
+    swz = scale_layout == "swizzled"
+    outs = []
+    for fmt, y, amax, kw, col in ((row_fmt, x, amax_row, key_row, False),
+                                  (col_fmt, jnp.swapaxes(x, 1, 2), amax_col, key_col, True)):
+        if fmt is None:
+            outs += [jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.float32)]
+        else:
+            outs += list(_reference_orientation(y, fmt, amax, kw, col, swz))
+    outs.append(_reference_dbias(x) if dbias else jnp.zeros((0,), jnp.float32))
+    return tuple(outs)
+
+
+def _reference_dbias(x):
+    P, M, K = x.shape
+    t = -(-M // DBIAS_ROWS)
+    xf = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, t * DBIAS_ROWS - M), (0, 0)))
+    return jnp.sum(xf.reshape(P, t, DBIAS_ROWS, K), axis=2)
+
+
+_reference_lowering = mlir.lower_fun(reference_outputs, multiple_results=True)
+mlir.register_lowering(quantize_p, _reference_lowering)
+
+
+# ---- CUDA lowering ----------------------------------------------------------------------------------------------
+def _kind(fmt) -> int:
+    if fmt is None:
+        return KIND_NONE
+    if isinstance(fmt, NVFP4):
+        return KIND_NVFP4
+    return KIND_MXFP8_E4M3 if fmt.element == "e4m3" else KIND_MXFP8_E5M2
+
+
+def _options(fmt) -> int:
+    if not isinstance(fmt, NVFP4):
+        return 0
+    return ((OPT_SR if fmt.stochastic_rounding else 0) | (OPT_RHT if fmt.rht else 0)
+            | (OPT_2D if fmt.scaling_2d else 0) | (OPT_1X64 if fmt.local_1x64 else 0))
+
+
+def kernel_supports(shape, row_fmt, col_fmt) -> bool:
+    """Whether the CUDA kernel tiles this case (else the CUDA lowering runs the reference)."""
+    P, M, K = shape
+    for fmt, other in ((row_fmt, M), (col_fmt, K)):
+        if isinstance(fmt, NVFP4) and fmt.scaling_2d and P > 1 and other % fmt.tile_2d:
+            return False
+    return P * M * K < 2**40
+
+
+def _cuda_lowering(ctx, x, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt, scale_layout, dbias):
+    if not kernel_supports(ctx.avals_in[0].shape, row_fmt, col_fmt):
+        return _reference_lowering(ctx, x, amax_row, amax_col, key_row, key_col, row_fmt=row_fmt, col_fmt=col_fmt,
+                                   scale_layout=scale_layout, dbias=dbias)
+    flags = _options(row_fmt) | (_options(col_fmt) << COL_SHIFT)
+    flags |= (FLAG_SWIZZLED if scale_layout == "swizzled" else 0) | (FLAG_DBIAS if dbias else 0)
+    rule = jax.ffi.ffi_lowering("jf4_quantize")
+    return rule(ctx, x, amax_row, amax_col, key_row, key_col, row_kind=np.int32(_kind(row_fmt)),
+                col_kind=np.int32(_kind(col_fmt)), flags=np.int32(flags))
+
+
+if _ffi.ensure_registered():
+    mlir.register_lowering(quantize_p, _cuda_lowering, platform="cuda")
+
+
+# ---- batching ---------------------------------------------------------------------------------------------------
+def _batch_rule(args, dims, **params):
+    x, amax_row, amax_col, key_row, key_col = args
+    bx, bar, bac, bkr, bkc = dims
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+
+    def lead(a, d):
+        return jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+
+    x, amax_row, amax_col = lead(x, bx), lead(amax_row, bar), lead(amax_col, bac)
+    if bkr is not None or bkc is not None or params["scale_layout"] != "compact":
+        outs = jax.vmap(lambda *a: reference_outputs(*a, **params))(x, amax_row, amax_col, lead(key_row, bkr),
+                                                                     lead(key_col, bkc))
+        return outs, [0] * len(outs)
+    B, P = x.shape[:2]
+    outs = quantize_p.bind(x.reshape(B * P, *x.shape[2:]), amax_row.reshape(-1), amax_col.reshape(-1), key_row,
+                           key_col, **params)
+    res, res_dims = [], []
+    for o in outs:
+        if o.shape == (0,):
+            res.append(o)
+            res_dims.append(batching.not_mapped)
+        else:
+            res.append(o.reshape(B, P, *o.shape[1:]))
+            res_dims.append(0)
+    return res, res_dims
+
+
+batching.primitive_batchers[quantize_p] = _batch_rule
+
+
+def quantize_3d(x3, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt, scale_layout="compact", dbias=False):
+    """Bind the primitive (see the module docstring); returns a dict of the seven results by name."""
+    outs = quantize_p.bind(x3, amax_row, amax_col, key_row, key_col, row_fmt=row_fmt, col_fmt=col_fmt,
+                           scale_layout=scale_layout, dbias=bool(dbias))
+    return dict(zip(OUTPUT_NAMES, outs))
+
