@@ -9,6 +9,8 @@
 namespace nb = nanobind;
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_amax);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_quantize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_rht_amax);
 
 namespace {
 
@@ -28,6 +30,8 @@ NB_MODULE(_jax_fp4_cuda, m) {
       []() {
         nb::dict d;
         d["jf4_amax"] = EncapsulateFfiHandler(jf4_amax);
+        d["jf4_quantize"] = EncapsulateFfiHandler(jf4_quantize);
+        d["jf4_rht_amax"] = EncapsulateFfiHandler(jf4_rht_amax);
         return d;
       },
       "Return {target_name: PyCapsule} for every FFI handler in this extension.");

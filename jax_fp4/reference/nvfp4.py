@@ -11,6 +11,7 @@ import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from jax_fp4.formats import NVFP4
@@ -121,7 +122,9 @@ def quantize_1x64(y) -> NVFP4Parts:
     wamax = _block_amax(y, w)  # [..., n/64]
     s_enc_w = _min_flt_max(_f32.div(ENC_NUMERATOR, jnp.maximum(wamax, WINDOW_FLOOR)))
     s_enc_w = jnp.where(_f32.is_zero(wamax), F32(1), s_enc_w)
-    s_enc_b = jnp.repeat(s_enc_w, w // bs, axis=-1)  # per 1x16 block
+    # Per 1x16 block. The barrier keeps XLA's algebraic simplifier from pushing this broadcast through the integer
+    # division chains below, where jax >= 0.11 loops for minutes at compile time.
+    s_enc_b = lax.optimization_barrier(jnp.repeat(s_enc_w, w // bs, axis=-1))
     sc = _e4m3(_f32.mul(_block_amax(y, bs), s_enc_b * INV_FP4_MAX))
     s_b = _e4m3_value(sc)
     block_scale = jnp.where(_f32.is_zero(s_b), F32(0), _f32.div(s_enc_b, s_b))
@@ -141,7 +144,7 @@ def dequantize(q_codes, scale_codes, amax, window_amax, fmt: NVFP4):
     if fmt.local_1x64:
         s_enc_w = _min_flt_max(_f32.div(ENC_NUMERATOR, jnp.maximum(window_amax, WINDOW_FLOOR)))
         s_enc_w = jnp.where(_f32.is_zero(window_amax), F32(1), s_enc_w)
-        s_enc_b = jnp.repeat(s_enc_w, fmt.window_size // bs, axis=-1)
+        s_enc_b = lax.optimization_barrier(jnp.repeat(s_enc_w, fmt.window_size // bs, axis=-1))  # see quantize_1x64
         x = _f32.div(_f32.mul(v, s_b[..., None]), s_enc_b[..., None])
     else:
         f = _f32.mul(_f32.mul(s_b, amax), INV_ENC_NUMERATOR)

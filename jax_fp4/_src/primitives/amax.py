@@ -22,6 +22,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jax_fp4._src import ffi as _ffi
+from jax_fp4._src.primitives import partitioning
 from jax_fp4._src.primitives._common import def_impl
 from jax_fp4.reference.amax import amax as _reference_amax
 
@@ -47,7 +48,7 @@ def _check_dtype(dtype, shape) -> None:
         )
 
 
-def _abstract_eval(x):
+def _abstract_eval(x, *, local=False):
     """x: bfloat16|float16|float32[...] (any rank, empty allowed) -> float32[] (a scalar)."""
     _check_dtype(x.dtype, x.shape)
     return jax.core.ShapedArray((), jnp.float32)
@@ -61,13 +62,15 @@ def _reference(x):
 
 
 # Default lowering: the exact pure-JAX reference (CPU, TPU, and CUDA without the extension).
-mlir.register_lowering(amax_p, mlir.lower_fun(_reference, multiple_results=False))
+mlir.register_lowering(
+    amax_p, partitioning.lowering(amax_p, mlir.lower_fun(_reference, multiple_results=False), "amax"))
 
 if _ffi.ensure_registered():
-    mlir.register_lowering(amax_p, jax.ffi.ffi_lowering(FFI_TARGET), platform="cuda")
+    mlir.register_lowering(amax_p, partitioning.lowering(amax_p, jax.ffi.ffi_lowering(FFI_TARGET), "amax"),
+                           platform="cuda")
 
 
-def _batch_rule(batched_args, batch_dims):
+def _batch_rule(batched_args, batch_dims, **params):
     """vmap: per-example amax. Move the batch dim first and reduce every other axis with the reference."""
     (x,), (bd,) = batched_args, batch_dims
     if bd is None:  # not mapped (cannot happen for a one-operand primitive, kept for safety)

@@ -20,11 +20,14 @@ Results (always seven; an absent output is a placeholder uint8/float32[0]):
 
 Lowerings: CUDA FFI target `jf4_quantize` (cpp/quantize/) when the extension is built; the bit-exact reference
 (`jax_fp4.reference`) otherwise, and for the one layout the kernel does not tile (2D columnwise with P > 1 and
-K % 16 != 0, whose 16x16 tiles cross p). vmap folds the batch into P (compact scales, unbatched keys), else maps the
-reference. Not differentiable (the recipes' custom_vjp never differentiates it).
+K % 16 != 0, whose 16x16 tiles cross p). vmap folds the batch into P (compact scales, no stochastic rounding, unbatched
+keys), else maps the reference. Not differentiable (the recipes' custom_vjp never differentiates it). Sharding:
+`partitioning.py`.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +36,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from jax_fp4._src import ffi as _ffi
+from jax_fp4._src.primitives import partitioning
 from jax_fp4._src.primitives._common import def_impl
 from jax_fp4.formats import MXFP8, NVFP4, Format, round_up
 from jax_fp4.quantized_array import SCALE_LAYOUTS
@@ -96,7 +100,7 @@ def _check(x_shape, x_dtype, row_fmt, col_fmt, scale_layout):
             fmt.validate(x_shape, x_dtype, axis)
 
 
-def _abstract_eval(x, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt, scale_layout, dbias):
+def _abstract_eval(x, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt, scale_layout, dbias, local=False):
     _check(x.shape, x.dtype, row_fmt, col_fmt, scale_layout)
     P, M, K = x.shape
     for name, a, shape, dt in (("amax_row", amax_row, (P,), jnp.float32), ("amax_col", amax_col, (P,), jnp.float32),
@@ -122,7 +126,8 @@ def _reference_orientation(y, fmt, amax, key_words, col, swizzled):
             parts = nvfp4.quantize_1x64(y)
             wamax = parts.window_amax
         else:
-            parts = nvfp4.quantize_with_amax(y, fmt, amax[:, None, None], key_words if fmt.stochastic_rounding else None)
+            words = key_words if fmt.stochastic_rounding else None
+            parts = nvfp4.quantize_with_amax(y, fmt, amax[:, None, None], words)
         data, sc = codes.to_dtype(parts.codes, fmt.data_dtype), parts.scale_codes
     else:
         q, sc = mxfp8.quantize(y, fmt)
@@ -131,7 +136,7 @@ def _reference_orientation(y, fmt, amax, key_words, col, swizzled):
             data = jnp.swapaxes(data, 1, 2)
     scale = codes.to_dtype(sc, fmt.scale_dtype)  # block axis last
     if swizzled:
-        scale = layout.swizzle(scale.reshape(-1, scale.shape[-1]))
+        scale = layout.swizzle(scale.reshape(math.prod(scale.shape[:-1]), scale.shape[-1]))
     elif col and isinstance(fmt, MXFP8):
         scale = jnp.swapaxes(scale, 1, 2)
     return data, scale, wamax
@@ -159,7 +164,7 @@ def _reference_dbias(x):
 
 
 _reference_lowering = mlir.lower_fun(reference_outputs, multiple_results=True)
-mlir.register_lowering(quantize_p, _reference_lowering)
+mlir.register_lowering(quantize_p, partitioning.lowering(quantize_p, _reference_lowering, "quantize"))
 
 
 # ---- CUDA lowering ----------------------------------------------------------------------------------------------
@@ -187,10 +192,43 @@ def kernel_supports(shape, row_fmt, col_fmt) -> bool:
     return P * M * K < 2**40
 
 
+def _kernel_pairing(row_fmt, col_fmt, dbias) -> bool:
+    """Pairings one kernel launch serves (cpp/quantize/quantize_ffi.cu `Supported`): one orientation alone (no
+    dbias without a columnwise output), NVFP4 rowwise with any columnwise format, MXFP8 with the same MXFP8."""
+    if row_fmt is None or col_fmt is None:
+        return not (dbias and col_fmt is None)
+    return isinstance(row_fmt, NVFP4) or row_fmt == col_fmt
+
+
+def _split(x, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt, scale_layout, dbias):
+    """Two launches (rowwise, then columnwise) for pairings one launch does not serve."""
+    empty = [jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.float32)]
+    outs = list(empty)
+    if row_fmt is not None:
+        outs = list(quantize_p.bind(x, amax_row, amax_col, key_row, key_col, row_fmt=row_fmt, col_fmt=None,
+                                    scale_layout=scale_layout, dbias=False, local=True)[:3])
+    db = jnp.zeros((0,), jnp.float32)
+    if col_fmt is not None:
+        c = quantize_p.bind(x, amax_row, amax_col, key_row, key_col, row_fmt=None, col_fmt=col_fmt,
+                            scale_layout=scale_layout, dbias=dbias, local=True)
+        outs += list(c[3:6])
+        db = c[6]
+    else:
+        outs += empty
+        if dbias:
+            db = _reference_dbias(x)
+    return (*outs, db)
+
+
+_split_lowering = mlir.lower_fun(_split, multiple_results=True)
+
+
 def _cuda_lowering(ctx, x, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt, scale_layout, dbias):
+    params = dict(row_fmt=row_fmt, col_fmt=col_fmt, scale_layout=scale_layout, dbias=dbias)
     if not kernel_supports(ctx.avals_in[0].shape, row_fmt, col_fmt):
-        return _reference_lowering(ctx, x, amax_row, amax_col, key_row, key_col, row_fmt=row_fmt, col_fmt=col_fmt,
-                                   scale_layout=scale_layout, dbias=dbias)
+        return _reference_lowering(ctx, x, amax_row, amax_col, key_row, key_col, **params)
+    if not _kernel_pairing(row_fmt, col_fmt, dbias):
+        return _split_lowering(ctx, x, amax_row, amax_col, key_row, key_col, **params)
     flags = _options(row_fmt) | (_options(col_fmt) << COL_SHIFT)
     flags |= (FLAG_SWIZZLED if scale_layout == "swizzled" else 0) | (FLAG_DBIAS if dbias else 0)
     rule = jax.ffi.ffi_lowering("jf4_quantize")
@@ -199,20 +237,24 @@ def _cuda_lowering(ctx, x, amax_row, amax_col, key_row, key_col, *, row_fmt, col
 
 
 if _ffi.ensure_registered():
-    mlir.register_lowering(quantize_p, _cuda_lowering, platform="cuda")
+    mlir.register_lowering(quantize_p, partitioning.lowering(quantize_p, _cuda_lowering, "quantize"), platform="cuda")
 
 
 # ---- batching ---------------------------------------------------------------------------------------------------
 def _batch_rule(args, dims, **params):
+    params.pop("local", None)
     x, amax_row, amax_col, key_row, key_col = args
     bx, bar, bac, bkr, bkc = dims
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
 
     def lead(a, d):
         return jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
 
     x, amax_row, amax_col = lead(x, bx), lead(amax_row, bar), lead(amax_col, bac)
-    if bkr is not None or bkc is not None or params["scale_layout"] != "compact":
+    sr = any(isinstance(f, NVFP4) and f.stochastic_rounding for f in (params["row_fmt"], params["col_fmt"]))
+    # Folding into P is exact only where the result of example b does not depend on b's position: per-example SR
+    # streams restart at counter 0 and swizzled layouts pad per example, so those map the reference instead.
+    if sr or bkr is not None or bkc is not None or params["scale_layout"] != "compact":
         outs = jax.vmap(lambda *a: reference_outputs(*a, **params))(x, amax_row, amax_col, lead(key_row, bkr),
                                                                      lead(key_col, bkc))
         return outs, [0] * len(outs)
@@ -223,7 +265,7 @@ def _batch_rule(args, dims, **params):
     for o in outs:
         if o.shape == (0,):
             res.append(o)
-            res_dims.append(batching.not_mapped)
+            res_dims.append(None)
         else:
             res.append(o.reshape(B, P, *o.shape[1:]))
             res_dims.append(0)
@@ -237,5 +279,5 @@ def quantize_3d(x3, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt, s
     """Bind the primitive (see the module docstring); returns a dict of the seven results by name."""
     outs = quantize_p.bind(x3, amax_row, amax_col, key_row, key_col, row_fmt=row_fmt, col_fmt=col_fmt,
                            scale_layout=scale_layout, dbias=bool(dbias))
-    return dict(zip(OUTPUT_NAMES, outs))
+    return dict(zip(OUTPUT_NAMES, outs, strict=True))
 

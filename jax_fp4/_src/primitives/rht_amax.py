@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jax_fp4._src import ffi as _ffi
+from jax_fp4._src.primitives import partitioning
 from jax_fp4._src.primitives._common import def_impl
 from jax_fp4.reference import rht
 from jax_fp4.reference.amax import amax as _amax
@@ -28,7 +30,7 @@ rht_amax_p = Primitive("jf4_rht_amax")
 def_impl(rht_amax_p)
 
 
-def _abstract_eval(x, *, orientation):
+def _abstract_eval(x, *, orientation, local=False):
     if orientation not in ORIENTATIONS:
         raise ValueError(f"rht_amax: orientation must be 'row' or 'col', got {orientation!r}")
     if x.ndim != 3 or jnp.dtype(x.dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
@@ -47,12 +49,18 @@ def _reference(x, *, orientation):
     return _amax(rht.forward(y), axis=(1, 2))
 
 
-mlir.register_lowering(rht_amax_p, mlir.lower_fun(_reference, multiple_results=False))
+mlir.register_lowering(
+    rht_amax_p, partitioning.lowering(rht_amax_p, mlir.lower_fun(_reference, multiple_results=False), "amax"))
 if _ffi.ensure_registered():
-    mlir.register_lowering(rht_amax_p, jax.ffi.ffi_lowering("jf4_rht_amax"), platform="cuda")
+    _ffi_rule = jax.ffi.ffi_lowering("jf4_rht_amax")
+
+    def _cuda_lowering(ctx, x, *, orientation):
+        return _ffi_rule(ctx, x, col=np.int32(orientation == "col"))
+
+    mlir.register_lowering(rht_amax_p, partitioning.lowering(rht_amax_p, _cuda_lowering, "amax"), platform="cuda")
 
 
-def _batch_rule(args, dims, *, orientation):
+def _batch_rule(args, dims, *, orientation, local=False):
     (x,), (bd,) = args, dims
     x = jnp.moveaxis(x, bd, 0)
     b, p = x.shape[:2]

@@ -1,0 +1,180 @@
+// Conversions and scale arithmetic of the numeric contract (../shared/NUMERICS.md), as device functions.
+//
+// Every function here is bit-exact to jax_fp4.reference:
+//  * fp32 products / quotients use the IEEE intrinsics (__fmul_rn, __frcp_rn, __fdiv_rn): no contraction into FMAs,
+//    no flush-to-zero (the library is built with -ftz=false -prec-div=true);
+//  * E4M3 / E5M2 use cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32 (sm_89+, so Hopper runs them natively);
+//  * E2M1 has no instruction on Hopper: the sm_90 path compares against the RNE midpoints; the sm_100a path uses
+//    cvt.rn.satfinite.e2m1x2.f32 (compiled, not runnable on the Hopper test machines) with NaN replaced by +6 first.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <cstdint>
+
+namespace jax_fp4 {
+namespace cvt {
+
+// fp32 constants by bit pattern (np.float32 of the exact quotient; no compile-time double rounding).
+__device__ __forceinline__ float kInv6() { return __uint_as_float(0x3e2aaaabu); }        // fp32(1/6)
+__device__ __forceinline__ float kInv448() { return __uint_as_float(0x3b124925u); }      // fp32(1/448)
+__device__ __forceinline__ float kInv57344() { return __uint_as_float(0x37924925u); }    // fp32(1/57344)
+__device__ __forceinline__ float kWindowFloor() { return __uint_as_float(0x2b8cbcccu); } // fp32(1e-12)
+constexpr float kEncNumerator = 2688.0f;                                                   // 6 * 448
+
+// fmaxf ignores a NaN operand, so block amaxes never carry NaN.
+__device__ __forceinline__ float AbsMax(float acc, float v) { return fmaxf(acc, fabsf(v)); }
+
+// ---- E2M1 ------------------------------------------------------------------------------------------------------
+// RNE onto {0, .5, 1, 1.5, 2, 3, 4, 6} with ties to the even code; |v| > 5 and inf -> 6; NaN -> +6 (0x7);
+// the sign is kept (including -0 -> 0x8).
+__device__ __forceinline__ uint32_t E2M1Rne(float v) {
+  const float a = fabsf(v);
+  if (a != a) return 7u;
+  const uint32_t sign = (__float_as_uint(v) >> 28) & 8u;
+  const uint32_t idx = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  return sign | idx;
+}
+
+// Two E2M1 codes in one byte: `lo` in bits 0..3, `hi` in bits 4..7.
+__device__ __forceinline__ uint32_t E2M1x2Rne(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 1000) && defined(__CUDA_ARCH_FEAT_SM100_ALL)
+  // The instruction's NaN result is not specified as +6: canonicalise first (NUMERICS.md: NaN -> +6).
+  lo = (lo != lo) ? 6.0f : lo;
+  hi = (hi != hi) ? 6.0f : hi;
+  uint16_t r;
+  asm("{\n .reg .b8 t;\n cvt.rn.satfinite.e2m1x2.f32 t, %1, %2;\n cvt.u16.u8 %0, t;\n}" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return E2M1Rne(lo) | (E2M1Rne(hi) << 4);
+#endif
+}
+
+// Stochastic rounding (TE PR #3281): t = |v| + (r/256) * step(|v|), rounded down onto the grid, clamped to 6;
+// sign restored; NaN -> +6. `r` is a random byte.
+__device__ __forceinline__ uint32_t E2M1Stochastic(float v, uint32_t r) {
+  const float a = fabsf(v);
+  if (a != a) return 7u;
+  const float step = a < 2.0f ? 0.5f : (a < 4.0f ? 1.0f : 2.0f);
+  const float t = __fadd_rn(a, __fmul_rn(static_cast<float>(r) * 0.00390625f, step));  // exact product
+  const uint32_t idx = (t >= 0.5f) + (t >= 1.0f) + (t >= 1.5f) + (t >= 2.0f) + (t >= 3.0f) + (t >= 4.0f) + (t >= 6.0f);
+  return ((__float_as_uint(v) >> 28) & 8u) | idx;
+}
+
+// ---- E4M3 / E5M2 -----------------------------------------------------------------------------------------------
+// RNE, satfinite (+-inf and overflow -> +-max), NaN -> 0x7F. Two values per call, `lo` in the low byte.
+__device__ __forceinline__ uint32_t E4M3x2(float lo, float hi) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+}
+__device__ __forceinline__ uint32_t E5M2x2(float lo, float hi) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E5M2);
+}
+__device__ __forceinline__ uint32_t E4M3(float v) { return E4M3x2(v, 0.0f) & 0xFFu; }
+
+// Exact value of an E4M3 code (all E4M3 values are fp32 normals or zero); 0x7F/0xFF (NaN) never occur as scales.
+__device__ __forceinline__ float E4M3Value(uint32_t code) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3);
+  return __half2float(__half(h));
+}
+
+// ---- E8M0 (MXFP8 scales) ----------------------------------------------------------------------------------------
+// TE float_to_e8m0 of v >= 0: NaN -> 0xFF, inf -> 0xFE, 0 -> 0; else the exponent bits, plus one when the mantissa
+// is nonzero, except when they are 0xFE, or 0 with mantissa <= 0x400000 (round toward +inf, saturating).
+__device__ __forceinline__ uint32_t E8M0FromFloat(float v) {
+  const uint32_t b = __float_as_uint(v);
+  const uint32_t mag = b & 0x7FFFFFFFu;
+  if (mag > 0x7F800000u) return 0xFFu;
+  if (mag == 0x7F800000u) return 0xFEu;
+  const uint32_t exp = (b >> 23) & 0xFFu, mant = b & 0x7FFFFFu;
+  const bool bump = mant > 0 && exp != 0xFEu && !(exp == 0 && mant <= 0x400000u);
+  return exp + (bump ? 1u : 0u);
+}
+
+// fp32 2^(127 - e): exponent field 254 - e for e <= 253, the subnormal 2^-127 for e = 254, NaN for e = 255.
+__device__ __forceinline__ float E8M0InverseScale(uint32_t e) {
+  if (e == 255u) return __uint_as_float(0x7FC00000u);
+  if (e == 254u) return __uint_as_float(0x00400000u);
+  return __uint_as_float((254u - e) << 23);
+}
+
+// ---- NVFP4 scale arithmetic -------------------------------------------------------------------------------------
+// S_enc = min(2688 / amax, FLT_MAX); 1 when amax == 0 or S_enc == 0 (amax = inf).
+__device__ __forceinline__ float GlobalEncodeScale(float amax) {
+  if (amax == 0.0f) return 1.0f;
+  const float s = fminf(__fdiv_rn(kEncNumerator, amax), FLT_MAX);
+  return s == 0.0f ? 1.0f : s;
+}
+
+// 1x64: S_enc,w = min(2688 / max(A_w, 1e-12), FLT_MAX); 1 when A_w == 0.
+__device__ __forceinline__ float WindowEncodeScale(float window_amax) {
+  if (window_amax == 0.0f) return 1.0f;
+  return fminf(__fdiv_rn(kEncNumerator, fmaxf(window_amax, kWindowFloor())), FLT_MAX);
+}
+
+// ---- Philox-4x32-10 (Salmon et al. 2011), the stochastic-rounding stream of reference/sr.py -------------------------
+__device__ __forceinline__ uint4 Philox(uint32_t ctr, uint32_t k0, uint32_t k1) {
+  uint32_t c0 = ctr, c1 = 0, c2 = 0, c3 = 0;
+#pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    if (r) {
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    const uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+    const uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+  }
+  return make_uint4(c0, c1, c2, c3);
+}
+
+// Byte j (0..15) of a Philox output, little-endian within each word.
+__device__ __forceinline__ uint32_t RandomByte(const uint4& r, int j) {
+  const uint32_t w = (j < 4) ? r.x : (j < 8) ? r.y : (j < 12) ? r.z : r.w;
+  return (w >> (8 * (j & 3))) & 0xFFu;
+}
+
+// ---- Random Hadamard transform of one 16-chunk (reference/rht.py) --------------------------------------------------
+// Signs (mask 0xD7E8), butterfly over strides 1, 2, 4, 8, * 0.25, each step flushed to signed zero, then RNE to bf16.
+__device__ __forceinline__ float FlushSubnormal(float v) {
+  return fabsf(v) < FLT_MIN ? __uint_as_float(__float_as_uint(v) & 0x80000000u) : v;
+}
+
+// One radix-2 stage with stride H: (a, b) -> (a + b, a - b), flushed. H is a template argument so that every index is
+// a compile-time constant and v stays in registers.
+template <int H>
+__device__ __forceinline__ void ButterflyStage(float (&v)[16]) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    if ((i & H) == 0) {
+      const float a = v[i], b = v[i + H];
+      v[i] = FlushSubnormal(__fadd_rn(a, b));
+      v[i + H] = FlushSubnormal(__fsub_rn(a, b));
+    }
+  }
+}
+
+__device__ __forceinline__ void RhtForward16(float (&v)[16]) {
+  constexpr uint32_t kSignMask = 0xD7E8u;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float f = FlushSubnormal(v[i]);
+    v[i] = ((kSignMask >> i) & 1u) ? __uint_as_float(__float_as_uint(f) ^ 0x80000000u) : f;
+  }
+  ButterflyStage<1>(v);
+  ButterflyStage<2>(v);
+  ButterflyStage<4>(v);
+  ButterflyStage<8>(v);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    v[i] = __bfloat162float(__float2bfloat16_rn(FlushSubnormal(__fmul_rn(v[i], 0.25f))));
+  }
+}
+
+}  // namespace cvt
+}  // namespace jax_fp4

@@ -1,0 +1,291 @@
+// Rowwise + columnwise block-scaled quantization of x[P, M, K] from one read (NUMERICS.md sections 1-3).
+//
+// One thread block owns a 64x64 tile of one x[p] (256 threads). Thread t loads the 1x16 row segment
+// (row t/4, columns 16*(t%4)...) with vector loads and keeps it in registers for the rowwise output; the tile is
+// also staged in shared memory as fp32, from which thread t reads the 16x1 column segment (column t%64, rows
+// 16*(t/64)...) for the columnwise output. 64 = the 1x64 window, so every block size (16 NVFP4, 32 MXFP8, 16x16 2D
+// tiles, 64 windows) closes inside a tile: block amaxes combine through warp shuffles (rows) or shared memory
+// (columns). No atomics, no global scratch: every output byte is written exactly once (CUDA-graph safe).
+//
+// Formats are compile-time "kinds" (one template for every pairing, including NVFP4 rowwise + MXFP8 columnwise);
+// NVFP4 options (SR, RHT, 2D, 1x64) are uniform runtime flags.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/convert.cuh"
+
+namespace jax_fp4 {
+namespace quantize {
+
+enum Kind : int { kNone = 0, kNvfp4 = 1, kMxfp8E4m3 = 2, kMxfp8E5m2 = 3 };
+enum Option : int { kSr = 1, kRht = 2, k2d = 4, k1x64 = 8 };
+
+constexpr int kTile = 64;
+constexpr int kThreads = 256;
+
+struct Args {
+  const void* x;
+  int64_t P, M, K;
+  const float* amax_row;  // [P]
+  const float* amax_col;  // [P]
+  const uint32_t* key_row;  // [2]
+  const uint32_t* key_col;  // [2]
+  uint8_t* row_data;
+  uint8_t* row_scale;
+  float* row_wamax;
+  uint8_t* col_data;
+  uint8_t* col_scale;
+  float* col_wamax;
+  float* dbias;  // [P, ceil(M/64), K] partial column sums, or null
+  int row_opts, col_opts;
+  bool swizzled;
+  bool vector_loads;  // rows are 16-byte aligned (K * sizeof(In) % 16 == 0 and x aligned)
+  int64_t row_scale_cols_padded, col_scale_cols_padded;  // padded scale-matrix columns (swizzled layout)
+};
+
+// Input element -> fp32 (exact widening).
+template <typename In>
+__device__ __forceinline__ float ToFloat(In v);
+template <>
+__device__ __forceinline__ float ToFloat<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float ToFloat<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ __forceinline__ float ToFloat<__half>(__half v) { return __half2float(v); }
+
+// Loads 16 consecutive elements (vectorised when aligned); elements past `valid` read as 0.
+template <typename In>
+__device__ __forceinline__ void Load16(const In* src, int valid, bool vector, float (&v)[16]) {
+  if (vector && valid >= 16) {
+    constexpr int kPerVec = 16 / sizeof(In);
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+#pragma unroll
+    for (int q = 0; q < 16 / kPerVec; ++q) {
+      const uint4 w = __ldg(s + q);
+      const In* e = reinterpret_cast<const In*>(&w);
+#pragma unroll
+      for (int i = 0; i < kPerVec; ++i) v[q * kPerVec + i] = ToFloat<In>(e[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = i < valid ? ToFloat<In>(src[i]) : 0.0f;
+  }
+}
+
+// Flat byte index of S[i, j] in the GEMM-swizzled padded scale matrix with `cols_padded` columns.
+__device__ __forceinline__ int64_t SwizzledIndex(int64_t i, int64_t j, int64_t cols_padded) {
+  return ((i >> 7) * (cols_padded >> 2) + (j >> 2)) * 512 + (i & 31) * 16 + ((i & 127) >> 5) * 4 + (j & 3);
+}
+
+__device__ __forceinline__ float Max16(const float (&v)[16]) {
+  float m = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) m = cvt::AbsMax(m, v[i]);
+  return m;
+}
+
+// NVFP4 encode of one 1x16 block with its (block / 2D-tile) amax. `enc` is S_enc (1D/2D) or S_enc,w (1x64).
+// Writes 8 packed bytes to dst (8-byte aligned) and returns the E4M3 scale code.
+__device__ __forceinline__ uint32_t EncodeNvfp4(const float (&v)[16], float bamax, float enc, bool local,
+                                                 bool sr, const uint4& rnd, uint8_t* dst) {
+  const uint32_t sc = cvt::E4M3(__fmul_rn(bamax, __fmul_rn(enc, cvt::kInv6())));
+  const float s_b = cvt::E4M3Value(sc);
+  float mult;
+  if (local) {
+    mult = s_b == 0.0f ? 0.0f : __fdiv_rn(enc, s_b);
+  } else {
+    mult = fminf(__frcp_rn(__fmul_rn(s_b, __frcp_rn(enc))), FLT_MAX);
+  }
+  uint32_t w[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 16; i += 2) {
+    const float a = __fmul_rn(v[i], mult), b = __fmul_rn(v[i + 1], mult);
+    uint32_t byte;
+    if (sr) {
+      byte = cvt::E2M1Stochastic(a, cvt::RandomByte(rnd, i)) | (cvt::E2M1Stochastic(b, cvt::RandomByte(rnd, i + 1)) << 4);
+    } else {
+      byte = cvt::E2M1x2Rne(a, b);
+    }
+    w[i / 8] |= byte << (8 * ((i / 2) & 3));
+  }
+  *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  return sc;
+}
+
+// MXFP8 encode of 16 values of a 32-block with E8M0 code e; writes 16 bytes through `store(i, byte)`.
+template <int kKind>
+__device__ __forceinline__ void EncodeMxfp8(const float (&v)[16], uint32_t e, uint32_t (&out)[4]) {
+  const float mult = cvt::E8M0InverseScale(e);
+#pragma unroll
+  for (int i = 0; i < 16; i += 2) {
+    const float a = __fmul_rn(v[i], mult), b = __fmul_rn(v[i + 1], mult);
+    const uint32_t pair = (kKind == kMxfp8E4m3) ? cvt::E4M3x2(a, b) : cvt::E5M2x2(a, b);
+    if ((i & 2) == 0) out[i / 4] = pair;
+    else out[i / 4] |= pair << 16;
+  }
+}
+
+template <int kKind>
+__device__ __forceinline__ uint32_t Mxfp8ScaleCode(float bamax) {
+  return cvt::E8M0FromFloat(__fmul_rn(bamax, kKind == kMxfp8E4m3 ? cvt::kInv448() : cvt::kInv57344()));
+}
+
+template <typename In, int kRow, int kCol>
+__global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
+  constexpr bool kNeedTile = kCol != kNone;
+  __shared__ float tile[kNeedTile ? kTile : 1][kTile + 1];
+  __shared__ float row_tile_amax[kTile][4];  // rowwise 1x16 block amaxes (2D tiles)
+  __shared__ float col_red[4][kTile];        // columnwise exchanges (MXFP8 pairs, 1x64 windows)
+  __shared__ float col_sum[4][kTile];        // dbias partials
+
+  const int t = threadIdx.x;
+  const int64_t p = blockIdx.z, m0 = int64_t(blockIdx.y) * kTile, k0 = int64_t(blockIdx.x) * kTile;
+  const int64_t M = a.M, K = a.K;
+  const In* x = static_cast<const In*>(a.x) + p * M * K;
+
+  // ---- load: row segment of thread t ----
+  const int lr = t >> 2, cg = t & 3;
+  const int64_t m = m0 + lr, k = k0 + cg * 16;
+  const bool row_in = m < M && k < K;
+  const int valid = row_in ? int(K - k < 16 ? K - k : 16) : 0;
+  float v[16];
+  Load16<In>(x + m * K + k, valid, a.vector_loads, v);
+  if constexpr (kNeedTile) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) tile[lr][cg * 16 + i] = v[i];
+  }
+
+  // ---- rowwise ----
+  if constexpr (kRow == kNvfp4) {
+    const int opts = a.row_opts;
+    if (opts & kRht) cvt::RhtForward16(v);  // v is already staged in shared memory for the columnwise pass
+    float bamax = Max16(v);
+    float wamax = fmaxf(bamax, __shfl_xor_sync(0xffffffffu, bamax, 1));
+    wamax = fmaxf(wamax, __shfl_xor_sync(0xffffffffu, wamax, 2));
+    if (opts & k2d) {  // uniform branch: the barrier is reached by every thread or none
+      row_tile_amax[lr][cg] = bamax;
+      __syncthreads();
+      const int r0 = lr & ~15;
+      float tm = 0.0f;
+#pragma unroll
+      for (int r = 0; r < 16; ++r) tm = fmaxf(tm, row_tile_amax[r0 + r][cg]);
+      bamax = tm;
+    }
+    if (row_in) {
+      const bool local = opts & k1x64;
+      const float enc = local ? cvt::WindowEncodeScale(wamax) : cvt::GlobalEncodeScale(a.amax_row[p]);
+      const int64_t flat = (p * M + m) * K + k;  // element index in the stored [P, M, K]
+      uint4 rnd = make_uint4(0, 0, 0, 0);
+      if (opts & kSr) rnd = cvt::Philox(uint32_t(flat >> 4), a.key_row[0], a.key_row[1]);
+      const uint32_t sc = EncodeNvfp4(v, bamax, enc, local, opts & kSr, rnd, a.row_data + flat / 2);
+      const int64_t si = p * M + m, sj = k >> 4;
+      a.row_scale[a.swizzled ? SwizzledIndex(si, sj, a.row_scale_cols_padded) : si * (K >> 4) + sj] = uint8_t(sc);
+      if (local && cg == 0) a.row_wamax[si * (K >> 6) + (k >> 6)] = wamax;
+    }
+  } else if constexpr (kRow != kNone) {  // MXFP8: a 32-block spans threads (cg, cg^1)
+    float bamax = Max16(v);
+    bamax = fmaxf(bamax, __shfl_xor_sync(0xffffffffu, bamax, 1));
+    if (row_in) {
+      const uint32_t e = Mxfp8ScaleCode<kRow>(bamax);
+      uint32_t out[4];
+      EncodeMxfp8<kRow>(v, e, out);
+      const int64_t flat = (p * M + m) * K + k;
+      *reinterpret_cast<uint4*>(a.row_data + flat) = make_uint4(out[0], out[1], out[2], out[3]);
+      if ((cg & 1) == 0) {
+        const int64_t si = p * M + m, sj = k >> 5;
+        a.row_scale[a.swizzled ? SwizzledIndex(si, sj, a.row_scale_cols_padded) : si * (K >> 5) + sj] = uint8_t(e);
+      }
+    }
+  }
+
+  if constexpr (!kNeedTile) {
+    return;
+  } else {
+    __syncthreads();
+    // ---- columnwise: column segment of thread t ----
+    // NVFP4: the 4 segments of one column are adjacent lanes, so a warp stores 8 output rows x 32 contiguous bytes
+    // (columnwise NVFP4 data is x[p].T). MXFP8 keeps x's layout: 32 adjacent columns per warp store 32 bytes a row.
+    const int lc = kCol == kNvfp4 ? (t >> 2) : (t & 63);
+    const int rb = kCol == kNvfp4 ? (t & 3) : (t >> 6);
+    const int64_t kc = k0 + lc, mc = m0 + rb * 16;
+    const bool col_in = kc < K && mc < M;  // M % 16 == 0 (M % 32 for MXFP8): segments are whole
+    float c[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) c[i] = tile[rb * 16 + i][lc];
+    if (a.dbias != nullptr) {
+      float s = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) s = __fadd_rn(s, c[i]);
+      col_sum[rb][lc] = s;
+    }
+    const int opts = a.col_opts;
+    if constexpr (kCol == kNvfp4) {
+      if (opts & kRht) cvt::RhtForward16(c);
+    }
+    float bamax = Max16(c);
+    col_red[rb][lc] = bamax;
+    __syncthreads();
+    if constexpr (kCol == kNvfp4) {
+      if (opts & k2d) {  // 16x16 tile: segment rb of the 16 columns of lc's group
+        const int c0 = lc & ~15;
+        float tm = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) tm = fmaxf(tm, col_red[rb][c0 + j]);
+        bamax = tm;
+      }
+    }
+    if (a.dbias != nullptr && rb == 0 && kc < K) {
+      const float s = __fadd_rn(__fadd_rn(__fadd_rn(col_sum[0][lc], col_sum[1][lc]), col_sum[2][lc]), col_sum[3][lc]);
+      a.dbias[(p * gridDim.y + blockIdx.y) * K + kc] = s;
+    }
+    if (!col_in) return;
+    if constexpr (kCol == kNvfp4) {
+      const bool local = opts & k1x64;
+      float enc;
+      float wamax = 0.0f;
+      if (local) {
+        wamax = fmaxf(fmaxf(col_red[0][lc], col_red[1][lc]), fmaxf(col_red[2][lc], col_red[3][lc]));
+        enc = cvt::WindowEncodeScale(wamax);
+      } else {
+        enc = cvt::GlobalEncodeScale(a.amax_col[p]);
+      }
+      const int64_t flat = (p * K + kc) * M + mc;  // element index in the stored [P, K, M]
+      uint4 rnd = make_uint4(0, 0, 0, 0);
+      if (opts & kSr) rnd = cvt::Philox(uint32_t(flat >> 4), a.key_col[0], a.key_col[1]);
+      const uint32_t sc = EncodeNvfp4(c, bamax, enc, local, opts & kSr, rnd, a.col_data + flat / 2);
+      const int64_t si = p * K + kc, sj = mc >> 4;
+      a.col_scale[a.swizzled ? SwizzledIndex(si, sj, a.col_scale_cols_padded) : si * (M >> 4) + sj] = uint8_t(sc);
+      if (local && rb == 0) a.col_wamax[si * (M >> 6) + (mc >> 6)] = wamax;
+    } else {  // MXFP8 columnwise: the 32-block is segments rb and rb^1; data keeps x's [P, M, K] layout
+      bamax = fmaxf(col_red[rb][lc], col_red[rb ^ 1][lc]);
+      const uint32_t e = Mxfp8ScaleCode<kCol>(bamax);
+      uint32_t out[4];
+      EncodeMxfp8<kCol>(c, e, out);
+      uint8_t* dst = a.col_data + (p * M + mc) * K + kc;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) dst[int64_t(i) * K] = uint8_t(out[i / 4] >> (8 * (i & 3)));
+      if ((rb & 1) == 0) {
+        const int64_t sj = mc >> 5;
+        if (a.swizzled) {
+          a.col_scale[SwizzledIndex(p * K + kc, sj, a.col_scale_cols_padded)] = uint8_t(e);
+        } else {
+          a.col_scale[(p * (M >> 5) + sj) * K + kc] = uint8_t(e);
+        }
+      }
+    }
+  }
+}
+
+// Host-side launch: grid (ceil(K/64), ceil(M/64), P).
+template <typename In, int kRow, int kCol>
+cudaError_t Launch(const Args& args, cudaStream_t stream) {
+  const dim3 grid(unsigned((args.K + kTile - 1) / kTile), unsigned((args.M + kTile - 1) / kTile), unsigned(args.P));
+  QuantizeKernel<In, kRow, kCol><<<grid, kThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace quantize
+}  // namespace jax_fp4
