@@ -1,0 +1,74 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_fp4
+from jax_fp4.reference import codes
+
+N, M = jax_fp4.NVFP4, jax_fp4.MXFP8
+EDGE = np.array([0.0, -0.0, 1e-40, -3e-39, 1.17e-38, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 448.0, 57344.0,
+                 np.inf, -np.inf, np.nan, 3.0e38, -1e-45], np.float32)
+DT = {"bf16": jnp.bfloat16, "f32": jnp.float32, "f16": jnp.float16}
+
+
+def make_x(shape, dt, seed, exp=0):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(shape) * 2.0**exp).astype(np.float32)
+    flat = x.reshape(-1)
+    if flat.size:
+        pos = rng.choice(flat.size, min(40, flat.size), replace=False)
+        flat[pos] = np.resize(EDGE, pos.size)
+    return jnp.asarray(x, DT[dt])
+
+
+def cases():
+    out = []
+    fmts = [N(), N(scaling_2d=True), N(rht=True), N(stochastic_rounding=True), N(local_1x64=True), M(),
+            M(element="e5m2")]
+    for fmt in fmts:
+        for axis in (-1, 0):
+            for lay in ("compact", "swizzled"):
+                out.append(("q", "bf16", (256, 192), 0, fmt, axis, lay))
+    for fmt in (N(), N(rht=True), M(), M(element="e5m2")):
+        for axis in (-1, 0):
+            out.append(("q", "bf16", (320, 64), 100, fmt, axis, "swizzled"))
+            out.append(("q", "f32", (128, 128), -120, fmt, axis, "compact"))
+            out.append(("q", "f16", (64, 64), 0, fmt, axis, "compact"))
+    out.append(("q", "bf16", (64, 48), 0, N(), -1, "compact"))
+    out.append(("q", "bf16", (64, 48), 0, M(), 0, "compact"))
+    out.append(("q", "bf16", (64, 48), 0, N(), 0, "compact"))
+    for fmt in (N(), N(scaling_2d=True), N(rht=True), M(), N(local_1x64=True)):
+        out.append(("q", "bf16", (3, 64, 128), 0, fmt, 1, "compact"))
+    out.append(("q", "bf16", (0, 64), 0, N(), -1, "compact"))
+    out.append(("q", "bf16", (64, 0), 0, M(), 0, "swizzled"))
+    pairs = [(N(), N()), (M(), M()), (N(), M()), (N(), M(element="e5m2")), (N(scaling_2d=True), N(scaling_2d=True)),
+             (N(), N(rht=True)), (N(stochastic_rounding=True), N(stochastic_rounding=True)),
+             (N(local_1x64=True), N(local_1x64=True)), (M(), M(element="e5m2")), (None, M()), (M(), None)]
+    for r, c in pairs:
+        out.append(("rc", "bf16", (256, 192), 0, (r, c), None, "compact"))
+    for r, c in pairs[:4]:
+        out.append(("rc", "bf16", (320, 64), 0, (r, c), None, "swizzled"))
+        out.append(("rc", "f32", (4, 32, 64), 0, (r, c), None, "compact"))
+    out.append(("vmap", "bf16", (3, 64, 96), 0, N(), -1, "compact"))
+    out.append(("vmap", "bf16", (3, 64, 96), 0, M(), 0, "compact"))
+    return out
+
+
+def fn(case):
+    kind, dt, shape, exp, fmt, axis, lay = case
+    if kind == "q":
+        return lambda x, k: jax_fp4.quantize(x, fmt, axis=axis, key=k, scale_layout=lay)
+    if kind == "rc":
+        return lambda x, k: jax_fp4.quantize_rowwise_columnwise(x, fmt[0], fmt[1], key=k, scale_layout=lay)[:2]
+    return lambda x, k: jax.vmap(lambda y: jax_fp4.quantize(y, fmt, axis=axis))(x)
+
+
+def bits(a):
+    a = jnp.asarray(a)
+    if a.dtype.itemsize == 1 or a.dtype.name.startswith("float4"):
+        return np.asarray(codes.from_dtype(a)).astype(np.uint8).reshape(-1)
+    return np.asarray(a).reshape(-1).view(np.uint8)
+
+
+def leaves(out):
+    return [bits(a) for a in jax.tree.leaves(out)]

@@ -1,0 +1,26 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_fp4
+
+N, M = jax_fp4.NVFP4, jax_fp4.MXFP8
+rng = np.random.default_rng(0)
+x = jnp.asarray(rng.standard_normal((320, 192)), jnp.bfloat16)
+xf = jnp.asarray(rng.standard_normal((96, 40)), jnp.float32)
+k = jax.random.key(0)
+outs = [
+    jax_fp4.quantize_rowwise_columnwise(x, N(), N()),
+    jax_fp4.quantize_rowwise_columnwise(x, M(), M(), scale_layout="swizzled", dbias=True),
+    jax_fp4.quantize_rowwise_columnwise(x, N(), M(element="e5m2"), dbias=True),
+    jax_fp4.quantize_rowwise_columnwise(x[:256], N(local_1x64=True), N(local_1x64=True)),
+    jax_fp4.quantize_rowwise_columnwise(x, N(stochastic_rounding=True), N(stochastic_rounding=True), key=k),
+    jax_fp4.quantize_rowwise_columnwise(x, N(scaling_2d=True), N(scaling_2d=True), scale_layout="swizzled"),
+    jax_fp4.quantize(x, N(rht=True), axis=0),
+    jax_fp4.quantize(x, N(rht=True), axis=-1),
+    jax_fp4.quantize(xf, M(), axis=0),
+    jax_fp4.quantize(xf.astype(jnp.float16)[:, :32], N(), axis=-1),
+    jax_fp4.quantize(jnp.zeros((0, 64), jnp.bfloat16), N()),
+]
+jax.block_until_ready(outs)
+print("sanitize workload done")
