@@ -5,21 +5,26 @@ Public surface:
   quantize, dequantize              -> / <- QuantizedArray (jax_fp4.quantize)
   swizzle_scales, unswizzle_scales  compact <-> GEMM-swizzled scale layout
   tensor_amax                       fmax-reduction of |x| (CUDA kernel where available)
+  scaled_dot_general                product of two QuantizedArrays (emulated, or native on sm_100)
+  recipes, dense, dot_general       quantized training: custom-VJP GEMMs following a Recipe
   reference                         the pure-jnp bit-exact reference of NUMERICS.md
 """
 
-from jax_fp4 import reference
+from jax_fp4 import recipes, reference
 from jax_fp4._src import ffi as _ffi
 from jax_fp4._src.ffi import HAS_CUDA_KERNELS, ReferenceOnlyWarning
 from jax_fp4._src.primitives.amax import tensor_amax
+from jax_fp4.dense import dense, dot_general
 from jax_fp4.formats import MXFP8, NVFP4, Format
+from jax_fp4.gemm import scaled_dot_general
 from jax_fp4.quantize import dequantize, quantize, quantize_rowwise_columnwise, swizzle_scales, unswizzle_scales
 from jax_fp4.quantized_array import QuantizedArray
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "HAS_CUDA_KERNELS", "MXFP8", "NVFP4", "Format", "QuantizedArray", "ReferenceOnlyWarning", "dequantize",
+    "HAS_CUDA_KERNELS", "MXFP8", "NVFP4", "Format", "QuantizedArray", "ReferenceOnlyWarning", "dense", "dequantize",
+    "dot_general", "recipes", "scaled_dot_general",
     "quantize", "quantize_rowwise_columnwise", "reference", "swizzle_scales", "tensor_amax", "unswizzle_scales",
 ]
 del _ffi

@@ -11,8 +11,8 @@ import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
+from jax import lax
 
 from jax_fp4.formats import NVFP4
 from jax_fp4.reference import _f32, codes, rht, sr

@@ -5,10 +5,10 @@ binds the same primitive with `local=True`, which lowers to the kernel (or the r
 and inside shard_map, custom_partitioning inlines that body, so nothing changes there.
 
 Rules:
-  * jf4_quantize (x[P, M, K]): parallel over P and over the non-block rows: M when only a rowwise output is asked
-    for, K when only a columnwise one is (both: P only). A dimension that the format would split below its block
-    (2D tiles, 1x64 windows, 128-row swizzle tiles, dbias stripes) is gathered instead. The amax operands arrive
-    replicated, so every shard encodes with the global tensor scale: sharded output == unsharded output.
+  * jf4_quantize (x[P, M, K]): parallel over P, M and K as long as each shard holds whole blocks, 2D tiles and
+    1x64 windows (and whole 128-row tiles of swizzled scales, whole 64-row dbias stripes); a dimension that would
+    split one is gathered instead. The amax operands arrive replicated, so every shard encodes with the global
+    tensor scale: sharded output == unsharded output.
   * jf4_amax / jf4_rht_amax: each shard reduces its part, then `lax.pmax` over the mesh axes that shard x; the
     result is replicated and equals the unsharded amax bit for bit (max is exact and order-free).
 """
@@ -48,27 +48,49 @@ def _names(spec):
 
 
 # ---- quantize ---------------------------------------------------------------------------------------------------
+def _granule(fmt, blocked: bool) -> int:
+    """Local extent a shard of x must keep a multiple of, along an axis of one orientation's output.
+
+    blocked: the axis is that orientation's block axis (block, 2D tile, 1x64 window); otherwise it is the row axis
+    (2D tiles and 1x64 column windows span 16 / 64 rows)."""
+    if fmt is None:
+        return 1
+    if isinstance(fmt, NVFP4):
+        if fmt.local_1x64:
+            return fmt.window_size
+        return fmt.block_size if blocked else (fmt.tile_2d if fmt.scaling_2d else 1)
+    return fmt.block_size if blocked else 1
+
+
 def quantize_x_spec(mesh, shape, spec, row_fmt, col_fmt, scale_layout, dbias):
-    """The sharding of x[P, M, K] the kernel runs under (dimensions it cannot split are replicated)."""
+    """The sharding of x[P, M, K] the kernel runs under.
+
+    An axis stays sharded when every shard's extent is a whole number of the blocks, 2D tiles and 1x64 windows
+    along it (rowwise blocks run along K, columnwise along M), so no block straddles two shards and each shard's
+    outputs are slices of the global ones; otherwise it is gathered. Swizzled scales stay sharded only along the
+    scale-matrix rows in whole 128-row tiles (P == 1); dbias stripes need M % 64 per shard.
+    """
     P, M, K = shape
     p_ax, m_ax, k_ax = spec
-    if col_fmt is not None or dbias:
-        m_ax = None
-    if row_fmt is not None:
-        k_ax = None
+    swz = scale_layout == "swizzled"
     m_loc, k_loc = M // _size(mesh, m_ax), K // _size(mesh, k_ax)
-    for fmt, loc, name in ((row_fmt, m_loc, "m"), (col_fmt, k_loc, "k")):
-        need = 1
-        if isinstance(fmt, NVFP4) and fmt.scaling_2d:
-            need = fmt.tile_2d
-        if isinstance(fmt, NVFP4) and fmt.local_1x64:
-            need = fmt.window_size
-        if fmt is not None and scale_layout == "swizzled":
-            need = 128
-        if loc % need:
-            m_ax, k_ax = (None, k_ax) if name == "m" else (m_ax, None)
-    if scale_layout == "swizzled" and (P > 1 or p_ax is not None):
-        p_ax = m_ax = k_ax = None  # the padded 2-D layout is contiguous per shard only for P == 1
+    need_m = math.lcm(_granule(row_fmt, False), _granule(col_fmt, True), 64 if dbias else 1)
+    need_k = math.lcm(_granule(row_fmt, True), _granule(col_fmt, False))
+    if swz:
+        need_m = math.lcm(need_m, 128 if row_fmt is not None else 1)
+        need_k = math.lcm(need_k, 128 if col_fmt is not None else 1)
+        if row_fmt is not None and col_fmt is None:
+            k_ax = None  # scale-matrix columns: 4-column tiles interleave across shards
+        elif col_fmt is not None and row_fmt is None:
+            m_ax = None
+        else:
+            m_ax = k_ax = None
+        if P > 1 or p_ax is not None:
+            p_ax = m_ax = k_ax = None  # the padded 2-D layout is contiguous per shard only for P == 1
+    if m_loc % need_m:
+        m_ax = None
+    if k_loc % need_k:
+        k_ax = None
     return p_ax, m_ax, k_ax
 
 
@@ -81,16 +103,16 @@ def quantize_result_specs(x_spec, row_fmt, col_fmt, scale_layout, dbias):
     if row_fmt is None:
         out += [none] * 3
     else:
-        out += [PartitionSpec(p, m, None), PartitionSpec(m, None) if swz else PartitionSpec(p, m, None),
-                PartitionSpec(p, m, None) if isinstance(row_fmt, NVFP4) and row_fmt.local_1x64 else none]
+        out += [PartitionSpec(p, m, k), PartitionSpec(m, None) if swz else PartitionSpec(p, m, k),
+                PartitionSpec(p, m, k) if isinstance(row_fmt, NVFP4) and row_fmt.local_1x64 else none]
     if col_fmt is None:
         out += [none] * 3
     elif isinstance(col_fmt, NVFP4):
-        out += [PartitionSpec(p, k, None), PartitionSpec(k, None) if swz else PartitionSpec(p, k, None),
-                PartitionSpec(p, k, None) if col_fmt.local_1x64 else none]
+        out += [PartitionSpec(p, k, m), PartitionSpec(k, None) if swz else PartitionSpec(p, k, m),
+                PartitionSpec(p, k, m) if col_fmt.local_1x64 else none]
     else:
-        out += [PartitionSpec(p, None, k), PartitionSpec(k, None) if swz else PartitionSpec(p, None, k), none]
-    out.append(PartitionSpec(p, None, k) if dbias else none)
+        out += [PartitionSpec(p, m, k), PartitionSpec(k, None) if swz else PartitionSpec(p, m, k), none]
+    out.append(PartitionSpec(p, m, k) if dbias else none)
     return out
 
 
@@ -115,8 +137,7 @@ def _quantize_rule(row_fmt, col_fmt, scale_layout, dbias):
     else:
         outs += ["p m k", f"{own()} {own()}" if swz else f"p {own()} k", own()]
     outs.append(f"p {own()} k" if dbias else own())
-    need = tuple(f for f, used in (("m", col_fmt is not None or dbias), ("k", row_fmt is not None)) if used)
-    return "p m k, p, p, q, r -> " + ", ".join(outs), need
+    return "p m k, p, p, q, r -> " + ", ".join(outs)
 
 
 def _quantize_cp(prim, params):
@@ -146,9 +167,8 @@ def _quantize_cp(prim, params):
 
         return mesh, lower, tuple(NamedSharding(mesh, s) for s in outs), args
 
-    rule, need = _quantize_rule(row_fmt, col_fmt, layout, dbias)
-    f.def_partition(partition=part, infer_sharding_from_operands=infer, sharding_rule=rule,
-                    need_replication_factors=need)
+    f.def_partition(partition=part, infer_sharding_from_operands=infer,
+                    sharding_rule=_quantize_rule(row_fmt, col_fmt, layout, dbias))
     return f
 
 

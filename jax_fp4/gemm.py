@@ -1,0 +1,159 @@
+"""`scaled_dot_general`: the product of two QuantizedArrays (NUMERICS.md, "GEMM emulation").
+
+Two implementations, chosen at trace time:
+  * "emulated" (CPU, Hopper, any platform): each operand becomes its exact block-scaled values (value(q) * s_b for
+    NVFP4 1D/2D/RHT, value(q) * 2**(e-127) for MXFP8; exact in bfloat16: at most 6 significant bits), the product
+    runs as a bfloat16 x bfloat16 `dot_general` with float32 accumulation (products exact), and the NVFP4 tensor
+    scales (amax / 2688 per operand) multiply the float32 result afterwards. 1x64 operands enter as their
+    dequantized float32 values (their window scales do not factor out of the sum), a product no vendor library
+    offers today.
+  * "native" (compute capability >= 10): `jax.nn.scaled_matmul` (cuDNN block-scaled GEMM) for MXFP8 x MXFP8 and
+    NVFP4 1D x NVFP4 1D operands whose block axis is their only contracting axis and with no batch axes; the NVFP4
+    tensor scales are applied to its float32 result the same way.
+RHT operands (the wgrad pair) must both carry the transform along the contracting axis: H is orthogonal, so the
+product of the transformed operands is the product of the originals and no inverse is applied.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_fp4 import reference
+from jax_fp4.formats import MXFP8, NVFP4
+from jax_fp4.quantized_array import QuantizedArray
+from jax_fp4.reference import codes
+from jax_fp4.reference.nvfp4 import INV_ENC_NUMERATOR
+
+__all__ = ["scaled_dot_general", "native_gemm_available", "IMPLEMENTATIONS"]
+
+IMPLEMENTATIONS = ("auto", "emulated", "native")
+
+
+def native_gemm_available() -> bool:
+    """True when the default device is a GPU of compute capability >= 10 (block-scaled tensor cores)."""
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        return False
+    try:
+        return float(getattr(dev, "compute_capability", "0")) >= 10.0
+    except ValueError:
+        return False
+
+
+def _compact(q: QuantizedArray) -> QuantizedArray:
+    from jax_fp4.quantize import unswizzle_scales
+
+    return unswizzle_scales(q)
+
+
+def exact_operand(q: QuantizedArray):
+    """(values, tensor_scale): values in q.shape's orientation with dequantize(q) == values * tensor_scale.
+
+    values: bfloat16 holding value(q) * block scale exactly (NVFP4 1D/2D/RHT, MXFP8), or the float32 dequantized
+    values (NVFP4 1x64); tensor_scale: float32 scalar amax * fp32(1/2688) (NVFP4 with a tensor amax) or None.
+    """
+    q = _compact(q)
+    fmt = q.fmt
+    if isinstance(fmt, NVFP4) and fmt.local_1x64:
+        return reference.dequantize(q.data, q.scale, q.amax, q.window_amax, fmt, q.axis, jnp.float32), None
+    if isinstance(fmt, NVFP4):
+        bs = fmt.block_size
+        v = codes.e2m1_value(codes.from_dtype(q.data))
+        v = v.reshape(*v.shape[:-1], v.shape[-1] // bs, bs) * q.scale.astype(jnp.float32)[..., None]
+        v = jnp.moveaxis(v.reshape(q.data.shape), -1, q.axis)
+        return v.astype(jnp.bfloat16), q.amax.astype(jnp.float32) * INV_ENC_NUMERATOR
+    bs = fmt.block_size
+    d = jnp.moveaxis(q.data, q.axis, -1).astype(jnp.float32)
+    s = codes.e8m0_value(codes.from_dtype(jnp.moveaxis(q.scale, q.axis, -1)))
+    v = (d.reshape(*d.shape[:-1], d.shape[-1] // bs, bs) * s[..., None]).reshape(d.shape)
+    return jnp.moveaxis(v, -1, q.axis).astype(jnp.bfloat16), None
+
+
+def _check(a, b, dimension_numbers):
+    for name, q in (("lhs", a), ("rhs", b)):
+        if not isinstance(q, QuantizedArray):
+            raise ValueError(f"scaled_dot_general: {name} must be a jax_fp4.QuantizedArray, got {type(q).__name__}")
+    (ca, cb), (ba, bb) = dimension_numbers
+    ca, cb = tuple(d % len(a.shape) for d in ca), tuple(d % len(b.shape) for d in cb)
+    for name, q, c in (("lhs", a, ca), ("rhs", b, cb)):
+        if q.axis % len(q.shape) not in c:
+            raise ValueError(
+                f"scaled_dot_general: the block axis {q.axis} of {name} {q!r} must be one of its contracting "
+                f"dimensions {c} (block scales vary along the contraction)"
+            )
+    rht = [isinstance(q.fmt, NVFP4) and q.fmt.rht for q in (a, b)]
+    if rht[0] != rht[1]:
+        raise ValueError(f"scaled_dot_general: RHT operands come in pairs (the transform cancels): {a!r} x {b!r}")
+    return ((ca, cb), (tuple(ba), tuple(bb)))
+
+
+def _native_ok(a, b, dn) -> bool:
+    (ca, cb), (ba, bb) = dn
+    if ba or bb or len(ca) != 1 or a.ndim != 2 or b.ndim != 2:
+        return False
+    fa, fb = a.fmt, b.fmt
+    if isinstance(fa, MXFP8) and isinstance(fb, MXFP8):
+        return True
+    plain = [isinstance(f, NVFP4) and not (f.local_1x64 or f.rht or f.scaling_2d) for f in (fa, fb)]
+    return all(plain)
+
+
+def _native_operand(q: QuantizedArray):
+    """[1, rows, K] data and [1, rows, K/bs] scales with the contracting (block) axis last."""
+    q = _compact(q)
+    if isinstance(q.fmt, NVFP4):
+        data, scale = q.data, q.scale  # stored block axis last
+    else:
+        data, scale = jnp.moveaxis(q.data, q.axis, -1), jnp.moveaxis(q.scale, q.axis, -1)
+    return data[None], scale[None]
+
+
+def scaled_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, preferred_element_type=jnp.float32,
+                       *, implementation: str = "auto"):
+    """Block-scaled `lax.dot_general` of two QuantizedArrays.
+
+    Args:
+      a, b: QuantizedArrays (compact or swizzled scales); `dimension_numbers` refers to their logical shapes
+        (`a.shape`, `b.shape`), as for `lax.dot_general`: ((lhs_contracting, rhs_contracting), (lhs_batch,
+        rhs_batch)). Each operand's block axis must be one of its contracting dimensions.
+      preferred_element_type: result dtype (float32 default; the accumulation is float32 either way).
+      implementation: "auto" (native on compute capability >= 10 where the formats allow, else emulated),
+        "emulated" or "native".
+
+    Returns:
+      The product in `preferred_element_type`, shaped as `lax.dot_general`'s.
+
+    Raises:
+      ValueError: non-QuantizedArray operands; a block axis that is not contracted; one RHT operand without the
+      other; implementation="native" where the formats or device do not allow it.
+
+    Numerics: NUMERICS.md "GEMM emulation": sum of exact block-scaled products accumulated in float32, then the
+    tensor scales (amax_a / 2688) * (amax_b / 2688) for NVFP4.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"scaled_dot_general: implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    dn = _check(a, b, dimension_numbers)
+    native = _native_ok(a, b, dn) and native_gemm_available()
+    if implementation == "native" and not native:
+        raise ValueError(f"scaled_dot_general: no native block-scaled GEMM for {a!r} x {b!r} on {jax.devices()[0]}")
+    if implementation == "emulated":
+        native = False
+    if native:
+        (ca, cb), _ = dn
+        da, sa = _native_operand(a)
+        db, sb = _native_operand(b)
+        out = jax.nn.scaled_matmul(da, db, sa, sb, preferred_element_type=jnp.float32)[0]
+        ta = a.amax.astype(jnp.float32) * INV_ENC_NUMERATOR if isinstance(a.fmt, NVFP4) else None
+        tb = b.amax.astype(jnp.float32) * INV_ENC_NUMERATOR if isinstance(b.fmt, NVFP4) else None
+    else:
+        va, ta = exact_operand(a)
+        vb, tb = exact_operand(b)
+        dt = jnp.float32 if jnp.float32 in (va.dtype, vb.dtype) else jnp.bfloat16
+        out = lax.dot_general(va.astype(dt), vb.astype(dt), dn, precision=lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32)
+    for t in (ta, tb):
+        if t is not None:
+            out = out * t
+    return out.astype(preferred_element_type)
