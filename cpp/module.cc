@@ -11,6 +11,7 @@ namespace nb = nanobind;
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_amax);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_quantize);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_rht_amax);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_dequantize);
 
 namespace {
 
@@ -32,6 +33,7 @@ NB_MODULE(_jax_fp4_cuda, m) {
         d["jf4_amax"] = EncapsulateFfiHandler(jf4_amax);
         d["jf4_quantize"] = EncapsulateFfiHandler(jf4_quantize);
         d["jf4_rht_amax"] = EncapsulateFfiHandler(jf4_rht_amax);
+        d["jf4_dequantize"] = EncapsulateFfiHandler(jf4_dequantize);
         return d;
       },
       "Return {target_name: PyCapsule} for every FFI handler in this extension.");

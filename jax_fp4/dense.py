@@ -54,6 +54,11 @@ def _keys(recipe: Recipe, key):
     return tuple(jax.random.split(key, 3))
 
 
+def _dtype_tag(a):
+    """A zero-size array carrying a's dtype (residuals must be arrays, so a pullback can leave jax.jit)."""
+    return jnp.zeros((0,), a.dtype)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dense(recipe, x2, w, bias, key):
     return _dense_fwd(recipe, x2, w, bias, key)[0]
@@ -68,13 +73,13 @@ def _dense_fwd(recipe, x2, w, bias, key):
         y = y + bias.astype(jnp.float32)
     res = (jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[0]), x_wgrad),
            jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[1]), w_dgrad),
-           kdy, bias is not None, jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct(w.shape, w.dtype),
-           None if bias is None else jax.ShapeDtypeStruct(bias.shape, bias.dtype))
+           kdy, _dtype_tag(x2), _dtype_tag(w), None if bias is None else _dtype_tag(bias))
     return y.astype(x2.dtype), res
 
 
 def _dense_bwd(recipe, res, dy):
-    x_wgrad, w_dgrad, kdy, has_bias, xs, ws, bs = res
+    x_wgrad, w_dgrad, kdy, xs, ws, bs = res
+    has_bias = bs is not None
     dy_dgrad, dy_wgrad, db = _quantize_pair(dy, recipe.dgrad_dy, recipe.wgrad_dy, kdy, dbias=has_bias)
     dx = _gemm(dy_dgrad, w_dgrad, _DGRAD).astype(xs.dtype)
     dw = _gemm(x_wgrad, dy_wgrad, _WGRAD).astype(ws.dtype)

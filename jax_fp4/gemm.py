@@ -148,6 +148,9 @@ def scaled_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, 
         ta = a.amax.astype(jnp.float32) * INV_ENC_NUMERATOR if isinstance(a.fmt, NVFP4) else None
         tb = b.amax.astype(jnp.float32) * INV_ENC_NUMERATOR if isinstance(b.fmt, NVFP4) else None
     else:
+        # The barrier keeps XLA from fusing the operands' producers (e.g. the reference quantize's integer chains on
+        # CPU) into the decode below; jax >= 0.11's algebraic simplifier otherwise loops for minutes on the mix.
+        a, b = lax.optimization_barrier((a, b))
         va, ta = exact_operand(a)
         vb, tb = exact_operand(b)
         dt = jnp.float32 if jnp.float32 in (va.dtype, vb.dtype) else jnp.bfloat16

@@ -49,6 +49,11 @@ def cases():
     for r, c in pairs[:4]:
         out.append(("rc", "bf16", (320, 64), 0, (r, c), None, "swizzled"))
         out.append(("rc", "f32", (4, 32, 64), 0, (r, c), None, "compact"))
+    for fmt in fmts[:3] + fmts[4:]:  # dequantize (jf4_dequantize): every format except SR (same decode as 1D)
+        for axis in (-1, 0):
+            for lay in ("compact", "swizzled"):
+                out.append(("dq", "bf16", (320, 128), 0, (fmt, "f32" if lay == "compact" else "bf16"), axis, lay))
+        out.append(("dq", "f32", (2, 64, 128), -120, (fmt, "f16"), 1, "compact"))
     out.append(("vmap", "bf16", (3, 64, 96), 0, N(), -1, "compact"))
     out.append(("vmap", "bf16", (3, 64, 96), 0, M(), 0, "compact"))
     return out
@@ -60,6 +65,11 @@ def fn(case):
         return lambda x, k: jax_fp4.quantize(x, fmt, axis=axis, key=k, scale_layout=lay)
     if kind == "rc":
         return lambda x, k: jax_fp4.quantize_rowwise_columnwise(x, fmt[0], fmt[1], key=k, scale_layout=lay)[:2]
+    if kind == "dq":
+        from jax_fp4._src.primitives.dequantize import dequantize_array
+
+        f, out = fmt
+        return lambda x, k: dequantize_array(jax_fp4.quantize(x, f, axis=axis, key=k, scale_layout=lay), DT[out])
     return lambda x, k: jax.vmap(lambda y: jax_fp4.quantize(y, fmt, axis=axis))(x)
 
 

@@ -33,10 +33,10 @@ def main():
                 errs.append((j, r.shape, g.shape, idx, None if idx is None else (r[idx], g[idx])))
         if errs:
             bad += 1
-            print("BAD", i, c, "kernel" if "jf4_quantize" in hlo else "NOKERNEL", errs[:3], flush=True)
+            print("BAD", i, c, "kernel" if "jf4_" in hlo else "NOKERNEL", errs[:3], flush=True)
         else:
             ok += 1
-            if "jf4_quantize" not in hlo:
+            if "jf4_quantize" not in hlo or (c[0] == "dq" and "jf4_dequantize" not in hlo):
                 print("OK-but-no-kernel", i, c)
     print(f"ok {ok} bad {bad}")
 

@@ -1,0 +1,285 @@
+"""Dense-layer training step benchmark (GPU): fwd + dgrad + wgrad + dbias of `jax_fp4.dense` for every recipe,
+against the bfloat16 step and against `jax.nn.scaled_dot_general` (mxfp8 / nvfp4 configs).
+
+The step is `jit(value_and_grad(loss, argnums=(0, 1, 2)))(x, w, b)` with loss = sum(dense(x, w, b).astype(f32) * g)
+for a fixed random bfloat16 cotangent g, i.e. one forward GEMM, dgrad, wgrad and the bias gradient (6*M*K*N flops).
+Per recipe and shape it reports ms per step, the ratio to the bf16 step of the same shape, the residual bytes (what
+the layer's VJP keeps from forward to backward: every array leaf of the pullback, float4 at 4 bits, PRNG keys at
+their key-data size) and their ratio to bf16, and the effective TFLOP/s (6*M*K*N / step time). The compiled step's
+memory_analysis (temp / argument / output bytes) and compile time go to the JSON only.
+
+jax.nn rows: the same step with y = jax.nn.scaled_dot_general(x, w, ..., configs=[lhs, rhs, grad]) + b; the NVFP4
+global scales are amax / (6 * 448) of x and w, computed in the step (stop_gradient). jax.nn keeps bf16 x and w as
+residuals, and its nvfp4 backward runs bf16 GEMMs. It needs cuDNN's block-scaled matmul (sm_100+); "n/a" elsewhere.
+Where no native block-scaled GEMM exists (compute capability < 10, e.g. H100/H200), jax_fp4 runs its emulated GEMM
+(exact block-scaled values in a bf16 x bf16 dot), so the step ratios there measure quantization + emulation.
+
+Timing: one jitted step, compiled once (lower().compile()), called alternately on NBUF rotated (x, w, b, g) buffer
+sets (fewer when they would not fit in MEM_CAP_BYTES); 2 warm-up calls, then `iters` calls (fewer for slow steps,
+about REPEAT_BUDGET_S per repeat) enqueued back to back, wall time until `jax.block_until_ready` / calls. Best of
+`repeats`.
+
+Usage: python benchmarks/dense.py [--shapes default|small|4096->4096,...] [--recipes name,...] [--iters 10]
+                                  [--repeats 3] [--out benchmarks/results/dense.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jax_fp4 import dense, recipes
+from jax_fp4._src import ffi
+from jax_fp4.gemm import native_gemm_available
+
+SHAPES = {"4096->4096": (16384, 4096, 4096), "4096->14336": (16384, 4096, 14336)}  # name: (M tokens, K, N)
+SMALL_SHAPES = {"small 512->512": (1024, 512, 512)}
+NBUF = 2  # rotated input buffer sets
+MEM_CAP_BYTES = 6 << 30  # cap on the rotated input sets (the step's outputs and temporaries come on top)
+REPEAT_BUDGET_S = 2.0
+DN = (((1,), (0,)), ((), ()))  # x[M, K] . w[K, N]
+TARGET_RECIPE, TARGET_STEP, TARGET_RESIDUAL = "nvfp4-fwd-mxfp8-bwd", 1.25, 0.6
+JNN = {"jax.nn mxfp8": "mxfp8", "jax.nn nvfp4": "nvfp4"}
+
+
+def all_layers() -> dict:
+    """name -> (x, w, b, key) -> y bf16 [M, N]; bf16 first (the baseline)."""
+    rs = {name: recipes.by_name(name) for name in recipes.RECIPES}
+    rs["mxfp8-hybrid"] = recipes.MXFP8("e5m2")
+    layers = {"bf16": _fp4_layer(rs.pop("bf16"))}
+    layers.update({name: _fp4_layer(r) for name, r in rs.items()})
+    layers.update({name: _jnn_layer(mode) for name, mode in JNN.items()})
+    return layers
+
+
+def _fp4_layer(r):
+    return lambda x, w, b, key: dense(x, w, b, recipe=r, key=key if r.needs_key else None)
+
+
+def _jnn_layer(mode):
+    def layer(x, w, b, key):
+        del key
+        if mode == "mxfp8":
+            cfgs = [jax.nn.get_scaled_dot_general_config("mxfp8")] * 3
+        else:  # global scale = tensor amax / (6 * 448), as a non-differentiated per-step value
+            gs = [jax.lax.stop_gradient(jnp.max(jnp.abs(a)).astype(jnp.float32).reshape(1) / (6.0 * 448.0))
+                  for a in (x, w)]
+            gs.append(jnp.ones((1,), jnp.float32))
+            cfgs = [jax.nn.get_scaled_dot_general_config("nvfp4", global_scale=s) for s in gs]
+        y = jax.nn.scaled_dot_general(x, w, DN, preferred_element_type=jnp.bfloat16, configs=cfgs)
+        return y + b.astype(y.dtype)
+
+    return layer
+
+
+def make_step(layer):
+    def loss(x, w, b, g, key):
+        return jnp.sum(layer(x, w, b, key).astype(jnp.float32) * g.astype(jnp.float32))
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+# ---- accounting -------------------------------------------------------------------------------------------------
+def leaf_bytes(leaf) -> int:
+    """Bytes of an array (or ShapeDtypeStruct): float4 at 4 bits, PRNG keys at their key-data size."""
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        leaf = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+    dt = jnp.dtype(leaf.dtype)
+    bits = 4 if dt.name.startswith("float4") else 8 * dt.itemsize
+    return -(-math.prod(leaf.shape) * bits // 8)
+
+
+def residual_bytes(layer, args) -> int:
+    """Bytes of the array leaves of the layer's pullback (jax.vjp(layer, x, w, b)[1]), by abstract evaluation.
+
+    The pullback is traced (not jitted and returned): jax_fp4's custom VJP keeps static ShapeDtypeStruct residuals,
+    which a jitted function cannot return and which eval_shape would count as arrays. Tracers are the real residuals.
+    """
+    x, w, b, _, key = args
+
+    def res(x, w, b, key):
+        pullback = jax.vjp(lambda x, w, b: layer(x, w, b, key), x, w, b)[1]
+        return [leaf for leaf in jax.tree.leaves(pullback) if isinstance(leaf, jax.Array)]
+
+    return sum(leaf_bytes(leaf) for leaf in jax.tree.leaves(jax.eval_shape(res, x, w, b, key)))
+
+
+def memory_stats(compiled) -> dict | None:
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # not every backend implements it
+        return None
+    if m is None:
+        return None
+    keys = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+            "peak_memory_in_bytes")
+    return {k: int(getattr(m, k)) for k in keys if getattr(m, k, None) is not None}
+
+
+def time_calls(fn, argsets, iters, repeats) -> float:
+    """Best seconds per call of fn(*argsets[i % len(argsets)]) (2 warm-up calls, then back-to-back calls)."""
+    out = None
+    for i in range(2):
+        out = jax.block_until_ready(fn(*argsets[i % len(argsets)]))
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*argsets[0]))
+    n = max(1, min(iters, int(REPEAT_BUDGET_S / max(time.perf_counter() - t0, 1e-9))))
+    best = float("inf")
+    for _ in range(repeats):
+        del out
+        t0 = time.perf_counter()
+        for i in range(n):
+            out = fn(*argsets[i % len(argsets)])
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best
+
+
+def make_argsets(m, k, n, nbuf):
+    """nbuf sets of (x [m, k], w [k, n], b [n], g [m, n], key), bf16, unit-variance-ish activations."""
+    sets = []
+    for i in range(nbuf):
+        kx, kw, kb, kg = jax.random.split(jax.random.key(100 + i), 4)
+        x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+        w = (jax.random.normal(kw, (k, n), jnp.float32) / math.sqrt(k)).astype(jnp.bfloat16)
+        b = (0.1 * jax.random.normal(kb, (n,), jnp.float32)).astype(jnp.bfloat16)
+        g = jax.random.normal(kg, (m, n), jnp.float32).astype(jnp.bfloat16)
+        sets.append(jax.block_until_ready((x, w, b, g, jax.random.key(i))))
+    return sets
+
+
+# ---- CLI --------------------------------------------------------------------------------------------------------
+def parse_shapes(spec: str) -> dict:
+    if spec == "default":
+        return SHAPES
+    if spec == "small":
+        return SMALL_SHAPES
+    known = {**SHAPES, **SMALL_SHAPES}
+    bad = [s for s in spec.split(",") if s not in known]
+    if bad:
+        raise SystemExit(f"unknown shape(s) {bad}; known: default, small, {', '.join(known)}")
+    return {s: known[s] for s in spec.split(",")}
+
+
+def parse_recipes(spec: str | None, layers: dict) -> dict:
+    if not spec:
+        return layers
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    bad = [s for s in names if s not in layers]
+    if bad:
+        raise SystemExit(f"unknown recipe(s) {bad}; known: {', '.join(layers)}")
+    return {name: fn for name, fn in layers.items() if name == "bf16" or name in names}  # bf16: the baseline
+
+
+def _f(x, spec, missing="n/a"):
+    return missing if x is None else format(x, spec)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "dense.json"))
+    ap.add_argument("--shapes", default="default", help="default | small (x [1024, 512], w [512, 512]) | "
+                    "comma list of " + ", ".join(SHAPES))
+    ap.add_argument("--recipes", default=None, help="comma list of recipe names (bf16 always runs: the baseline)")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    shapes, layers = parse_shapes(args.shapes), parse_recipes(args.recipes, all_layers())
+
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        print(f"warning: default device is {dev} (not a GPU); numbers are not representative")
+    if not ffi.HAS_CUDA_KERNELS:
+        print(f"warning: CUDA extension missing ({ffi.import_error()}); quantization runs the reference")
+    native = native_gemm_available()
+    results = {
+        "device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform, "jax": jax.__version__,
+        "python": platform.python_version(), "has_cuda_kernels": ffi.HAS_CUDA_KERNELS, "native_gemm": native,
+        "method": (f"one compiled step over <= {NBUF} rotated input sets, 2 warm-up calls, best of {args.repeats} x "
+                   f"<= {args.iters} calls, block_until_ready"),
+        "targets": {"recipe": TARGET_RECIPE, "step_ratio_max": TARGET_STEP, "residual_ratio_max": TARGET_RESIDUAL},
+        "copy_GBps": {}, "rows": [],
+    }
+    print(f"device: {results['device']}  jax {results['jax']}  CUDA kernels: {ffi.HAS_CUDA_KERNELS}  native "
+          f"block-scaled GEMM: {native}{'' if native else ' (emulated)'}\n({results['method']})", flush=True)
+    rows, t_start = results["rows"], time.perf_counter()
+    for sname, (m, k, n) in shapes.items():
+        set_bytes = 2 * (m * k + k * n + m * n + n)
+        nbuf = max(1, min(NBUF, MEM_CAP_BYTES // set_bytes))
+        argsets = make_argsets(m, k, n, nbuf)
+        gbufs = [(a[3],) for a in argsets]
+        t_copy = time_calls(jax.jit(jnp.copy), gbufs, args.iters, args.repeats)
+        results["copy_GBps"][sname] = 2 * m * n * 2 / t_copy / 1e9
+        print(f"[{sname}] x [{m}, {k}] w [{k}, {n}], {nbuf} buffer set(s); copy bandwidth of g "
+              f"{results['copy_GBps'][sname] / 1e3:.2f} TB/s", flush=True)
+        flops = 6 * m * k * n
+        base = {}
+        for name, layer in layers.items():
+            row = {"recipe": name, "shape_name": sname, "shape": {"M": m, "K": k, "N": n}, "n_buffers": nbuf,
+                   "ms": None, "step_ratio": None, "residual_bytes": None, "residual_ratio": None, "TFLOPs": None}
+            try:
+                row["residual_bytes"] = residual_bytes(layer, argsets[0])
+                t0 = time.perf_counter()
+                lowered = make_step(layer).lower(*argsets[0])
+                row["uses_jf4_kernels"] = "jf4_" in lowered.as_text()
+                compiled = lowered.compile()
+                row["compile_s"] = time.perf_counter() - t0
+                row["memory_analysis"] = memory_stats(compiled)
+                t = time_calls(compiled, argsets, args.iters, args.repeats)
+                del compiled, lowered
+                row["ms"], row["TFLOPs"] = t * 1e3, flops / t / 1e12
+            except Exception as e:  # e.g. jax.nn scaled_dot_general without cuDNN block-scaled GEMM: n/a
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"  note: {name} [{sname}]: {row['error']}", flush=True)
+            if name == "bf16":
+                base = {"ms": row["ms"], "residual_bytes": row["residual_bytes"]}
+            if row["ms"] is not None and base.get("ms"):
+                row["step_ratio"] = row["ms"] / base["ms"]
+            if row["residual_bytes"] is not None and base.get("residual_bytes"):
+                row["residual_ratio"] = row["residual_bytes"] / base["residual_bytes"]
+            rows.append(row)
+            print(f"  {name:<22} {_f(row['ms'], '9.3f'):>9} ms  residuals {_f(row['residual_bytes'], ',')} B  "
+                  f"compile {_f(row.get('compile_s'), '.1f')} s (t={time.perf_counter() - t_start:.0f}s)", flush=True)
+        del argsets, gbufs
+
+    print(f"\ndevice: {results['device']}  jax {results['jax']}  native block-scaled GEMM: {native}  "
+          f"({results['method']})")
+    print("step = fwd + dgrad + wgrad + dbias; ratios are to the bf16 row of the same shape; residuals = array "
+          "leaves of the layer's VJP (float4 at 4 bits); TFLOP/s = 6*M*K*N / step")
+    hdr = (f"{'recipe':<22} {'shape':<16} {'step ms':>9} {'vs bf16':>8} {'residual MB':>12} {'vs bf16':>8} "
+           f"{'TFLOP/s':>8}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        mb = None if r["residual_bytes"] is None else r["residual_bytes"] / 2**20
+        print(f"{r['recipe']:<22} {r['shape_name']:<16} {_f(r['ms'], '9.3f'):>9} {_f(r['step_ratio'], '7.3f'):>8} "
+              f"{_f(mb, '12.2f'):>12} {_f(r['residual_ratio'], '7.3f'):>8} {_f(r['TFLOPs'], '8.1f'):>8}")
+
+    print(f"\ntargets ({TARGET_RECIPE}): step <= {TARGET_STEP}x bf16, residual bytes <= {TARGET_RESIDUAL}x bf16")
+    results["targets"]["by_shape"] = {}
+    for r in (r for r in rows if r["recipe"] == TARGET_RECIPE):
+        ok_t = None if r["step_ratio"] is None else r["step_ratio"] <= TARGET_STEP
+        ok_r = None if r["residual_ratio"] is None else r["residual_ratio"] <= TARGET_RESIDUAL
+        results["targets"]["by_shape"][r["shape_name"]] = {"step_ok": ok_t, "residual_ok": ok_r}
+        verdict = {True: "MEETS", False: "MISSES", None: "n/a"}
+        print(f"  {r['shape_name']:<16} step {_f(r['step_ratio'], '.3f')}x: {verdict[ok_t]:<6}  residual "
+              f"{_f(r['residual_ratio'], '.3f')}x: {verdict[ok_r]}")
+    if not native:
+        print("  note: no native block-scaled GEMM on this device; quantized steps use the emulated GEMM")
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
