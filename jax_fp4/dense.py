@@ -74,7 +74,7 @@ def _dense_fwd(recipe, x2, w, bias, key):
     res = (jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[0]), x_wgrad),
            jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[1]), w_dgrad),
            kdy, _dtype_tag(x2), _dtype_tag(w), None if bias is None else _dtype_tag(bias))
-    return y.astype(x2.dtype), res
+    return y.astype(jnp.result_type(x2, w)), res
 
 
 def _dense_bwd(recipe, res, dy):
@@ -101,7 +101,8 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None):
       key: PRNG key, required when the recipe uses stochastic rounding.
 
     Returns:
-      [..., N] in x's dtype (the GEMM accumulates in float32; the bias is added in float32 before the cast).
+      [..., N] in the promoted dtype of x and kernel, as `lax.dot_general` gives (the quantized GEMMs accumulate in
+      float32 and add the bias in float32 before the one cast; BF16 adds it after, as flax's Linear does).
 
     Raises:
       ValueError: shapes that do not line up, a missing key, or shapes the recipe's formats cannot block (e.g.

@@ -1,0 +1,153 @@
+"""Flax Linen layers whose GEMMs follow a jax_fp4 `Recipe`: `Dense`, `LayerNormDense`, `LayerNormMLP`.
+
+The Linen counterparts of `jax_fp4.flax.nnx`, with the same numerics and parameter trees::
+
+  Dense            {kernel [in, features], bias [features]}                              like nn.Dense
+  LayerNormDense   {norm: {scale, bias}, dense: {kernel, bias}}
+  LayerNormMLP     {norm: {scale, bias}, up: {kernel [in, hidden | 2 * hidden], bias}, down: {kernel, bias}}
+
+Stochastic rounding: when ``recipe.needs_key`` each `Dense` call draws ``self.make_rng("quantize")`` (Linen falls back
+to the "params" stream during ``init``); pass ``rngs={"quantize": key}`` to ``apply``, a new key per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.errors import InvalidRngError
+from flax.linen.dtypes import promote_dtype
+
+from jax_fp4.dense import dense
+from jax_fp4.recipes import Recipe
+
+__all__ = ["Dense", "LayerNormDense", "LayerNormMLP"]
+
+default_kernel_init = nn.initializers.lecun_normal()
+ACTIVATIONS = ("gelu", "swiglu")
+NORMS = ("layernorm", "rmsnorm")
+
+
+def _norm(kind, epsilon, dtype, param_dtype):
+    if kind == "layernorm":
+        return nn.LayerNorm(epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, name="norm")
+    if kind == "rmsnorm":
+        return nn.RMSNorm(epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, name="norm")
+    raise ValueError(f"norm must be one of {NORMS}, got {kind!r}")
+
+
+class Dense(nn.Module):
+    """y = x @ kernel + bias over x's last axis, the GEMMs quantized as `recipe` says (`jax_fp4.dense`).
+
+    A drop-in for `flax.linen.Dense` (same params ``kernel`` [in, features] / ``bias`` [features], init and dtype
+    promotion); with `recipes.BF16()` it computes exactly what nn.Dense computes.
+
+    Attributes:
+      features: N, the number of output features.
+      recipe: a `jax_fp4.recipes.Recipe` (frozen and hashable).
+      use_bias: add a bias (default True).
+      dtype: compute dtype (None: promoted from x and the params, as nn.Dense).
+      param_dtype: dtype of the params (default float32).
+      kernel_init, bias_init: initializers (lecun_normal, zeros).
+      promote_dtype: the dtype promotion function (Linen's variadic one).
+      rng_collection: the rng stream of the stochastic-rounding keys (default "quantize").
+
+    Call: x [..., K] -> [..., N] in the compute dtype. Shape constraints as `jax_fp4.dense` (ValueError at trace time).
+    """
+
+    features: int
+    recipe: Recipe
+    use_bias: bool = True
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Any = default_kernel_init
+    bias_init: Any = nn.initializers.zeros_init()
+    promote_dtype: Any = promote_dtype
+    rng_collection: str = "quantize"
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        if not isinstance(self.recipe, Recipe):
+            raise TypeError(f"jax_fp4.flax.linen.Dense: recipe must be a jax_fp4.recipes.Recipe, got "
+                            f"{type(self.recipe).__name__}")
+        kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype)
+        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        key = None
+        if self.recipe.needs_key:
+            try:
+                key = self.make_rng(self.rng_collection)
+            except InvalidRngError as e:
+                raise ValueError(f"jax_fp4.flax.linen.Dense: recipe {self.recipe.name!r} uses stochastic rounding; "
+                                 f"pass rngs={{{self.rng_collection!r}: key}} to apply") from e
+        return dense(inputs, kernel, bias, recipe=self.recipe, key=key)
+
+
+class LayerNormDense(nn.Module):
+    """y = Dense(LayerNorm(x)): submodules ``norm`` (nn.LayerNorm / nn.RMSNorm, unquantized, float32 statistics) and
+    ``dense``. Attributes as `Dense`, plus ``norm`` ("layernorm" | "rmsnorm") and ``epsilon`` (1e-6)."""
+
+    features: int
+    recipe: Recipe
+    norm: str = "layernorm"
+    epsilon: float = 1e-6
+    use_bias: bool = True
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Any = default_kernel_init
+    bias_init: Any = nn.initializers.zeros_init()
+    rng_collection: str = "quantize"
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        y = _norm(self.norm, self.epsilon, self.dtype, self.param_dtype)(inputs)
+        return Dense(self.features, self.recipe, use_bias=self.use_bias, dtype=self.dtype,
+                     param_dtype=self.param_dtype, kernel_init=self.kernel_init, bias_init=self.bias_init,
+                     rng_collection=self.rng_collection, name="dense")(y)
+
+
+class LayerNormMLP(nn.Module):
+    """y = down(act(up(LayerNorm(x)))), the projections following `recipe` (see `jax_fp4.flax.nnx.LayerNormMLP`).
+
+    Submodules ``norm``, ``up`` (kernel [in, hidden], or [in, 2 * hidden] for SwiGLU: gate = [:, :hidden], linear =
+    [:, hidden:], h = silu(gate) * linear) and ``down`` (kernel [hidden, out]).
+
+    Attributes:
+      hidden_features: the MLP width (per half for SwiGLU).
+      recipe: the `jax_fp4.recipes.Recipe` of both projections.
+      out_features: output width (None: x's last axis).
+      activation: "gelu" (tanh approximation) or "swiglu".
+      norm, epsilon, use_bias, dtype, param_dtype, kernel_init, bias_init, rng_collection: as `LayerNormDense`.
+    """
+
+    hidden_features: int
+    recipe: Recipe
+    out_features: int | None = None
+    activation: str = "gelu"
+    norm: str = "layernorm"
+    epsilon: float = 1e-6
+    use_bias: bool = True
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Any = default_kernel_init
+    bias_init: Any = nn.initializers.zeros_init()
+    rng_collection: str = "quantize"
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        out = jnp.shape(inputs)[-1] if self.out_features is None else self.out_features
+        kw = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+                  bias_init=self.bias_init, rng_collection=self.rng_collection)
+        swiglu = self.activation == "swiglu"
+        h = _norm(self.norm, self.epsilon, self.dtype, self.param_dtype)(inputs)
+        h = Dense(self.hidden_features * (2 if swiglu else 1), self.recipe, name="up", **kw)(h)
+        if swiglu:
+            gate, linear = jnp.split(h, 2, axis=-1)
+            h = jax.nn.silu(gate) * linear
+        else:
+            h = jax.nn.gelu(h)
+        return Dense(out, self.recipe, name="down", **kw)(h)
