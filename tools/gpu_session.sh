@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device call that builds the package and runs the GPU checks, logging to $OUT (see ../shared/DESIGN.md,
+# "GPU workflow"). Usage on the device machine, from the repository root:
+#   bash tools/gpu_session.sh [golden] [pytest] [sanitize] [bench-quantize] [bench-dense] [bench-amax]
+# (no arguments: all of them). Needs tools/golden/ref.npz from `python -P tools/golden/make.py` for "golden".
+set -uo pipefail
+R="$PWD"
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(golden pytest sanitize bench-quantize bench-dense bench-amax)
+S=$(date +%s)
+python3 -m pip install --no-build-isolation --no-deps --target /tmp/site . > "$OUT/build.log" 2>&1
+echo "build rc=$? $(( $(date +%s) - S ))s"
+nvidia-smi --query-gpu=name --format=csv,noheader
+cd /tmp || exit 1
+export PYTHONPATH=/tmp/site
+for step in "${steps[@]}"; do
+  case "$step" in
+    golden) timeout 150 python3 -P "$R/tools/golden/check.py" > "$OUT/golden.log" 2>&1; tail -1 "$OUT/golden.log";
+            grep -E "^(BAD|ERR)" "$OUT/golden.log" | head -20 ;;
+    pytest) timeout 400 python3 -P -m pytest -q -rf -m gpu -p no:cacheprovider "$R/tests" > "$OUT/pytest.log" 2>&1;
+            tail -5 "$OUT/pytest.log" ;;
+    sanitize) for tool in memcheck racecheck; do
+                timeout 90 compute-sanitizer --tool $tool --error-exitcode 9 python3 -P "$R/tools/golden/sanitize.py" \
+                  > "$OUT/san_$tool.log" 2>&1
+                echo "$tool rc=$? $(tail -1 "$OUT/san_$tool.log")"
+              done ;;
+    bench-quantize) timeout 200 python3 -P "$R/benchmarks/quantize.py" --iters 10 --repeats 2 \
+                      --out "$OUT/quantize.json" > "$OUT/bench_quantize.log" 2>&1; tail -45 "$OUT/bench_quantize.log" ;;
+    bench-dense) timeout 300 python3 -P "$R/benchmarks/dense.py" --out "$OUT/dense.json" > "$OUT/bench_dense.log" 2>&1;
+                 tail -25 "$OUT/bench_dense.log" ;;
+    bench-amax) timeout 100 python3 -P "$R/benchmarks/amax.py" --out "$OUT/amax.json" > "$OUT/bench_amax.log" 2>&1;
+                tail -8 "$OUT/bench_amax.log" ;;
+    *) echo "unknown step $step" ;;
+  esac
+  echo "$step done $(( $(date +%s) - S ))s"
+done
