@@ -37,8 +37,6 @@ def _quantize_pair(a, row_fmt, col_fmt, key, dbias=False):
         db = jnp.sum(a.astype(jnp.float32), axis=0) if dbias else None
         return a, a, db
     row, col, db = quantize_rowwise_columnwise(a, row_fmt, col_fmt, key=key, dbias=dbias)
-    if dbias and db is None:
-        db = jnp.sum(a.astype(jnp.float32), axis=0)
     return (a if row is None else row), (a if col is None else col), db
 
 
@@ -48,7 +46,7 @@ def _gemm(a, b, dn):
     return lax.dot_general(a, b, dn, preferred_element_type=jnp.float32)
 
 
-def _keys(recipe: Recipe, key):
+def _keys(key):
     if key is None:
         return None, None, None
     return tuple(jax.random.split(key, 3))
@@ -65,7 +63,7 @@ def _dense(recipe, x2, w, bias, key):
 
 
 def _dense_fwd(recipe, x2, w, bias, key):
-    kx, kw, kdy = _keys(recipe, key)
+    kx, kw, kdy = _keys(key)
     x_fprop, x_wgrad, _ = _quantize_pair(x2, recipe.fprop_x, recipe.wgrad_x, kx)
     w_dgrad, w_fprop, _ = _quantize_pair(w, recipe.dgrad_w, recipe.fprop_w, kw)
     y = _gemm(x_fprop, w_fprop, _FPROP)

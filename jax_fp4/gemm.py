@@ -141,7 +141,6 @@ def scaled_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, 
     if implementation == "emulated":
         native = False
     if native:
-        (ca, cb), _ = dn
         da, sa = _native_operand(a)
         db, sb = _native_operand(b)
         out = jax.nn.scaled_matmul(da, db, sa, sb, preferred_element_type=jnp.float32)[0]

@@ -22,6 +22,7 @@ namespace cvt {
 __device__ __forceinline__ float kInv6() { return __uint_as_float(0x3e2aaaabu); }        // fp32(1/6)
 __device__ __forceinline__ float kInv448() { return __uint_as_float(0x3b124925u); }      // fp32(1/448)
 __device__ __forceinline__ float kInv57344() { return __uint_as_float(0x37924925u); }    // fp32(1/57344)
+__device__ __forceinline__ float kInv2688() { return __uint_as_float(0x39c30c31u); }     // fp32(1/2688)
 __device__ __forceinline__ float kWindowFloor() { return __uint_as_float(0x2b8cbcccu); } // fp32(1e-12)
 constexpr float kEncNumerator = 2688.0f;                                                   // 6 * 448
 

@@ -115,7 +115,7 @@ __device__ __forceinline__ void Decode16(const Args& a, int64_t p, int64_t r, in
     if (local) {
       enc = cvt::WindowEncodeScale(a.window_amax[srow * (C >> 6) + (c >> 6)]);
     } else {
-      f = __fmul_rn(__fmul_rn(s_b, a.amax[0]), __uint_as_float(0x39c30c31u));  // (s_b * amax) * fp32(1/2688)
+      f = __fmul_rn(__fmul_rn(s_b, a.amax[0]), cvt::kInv2688());  // (s_b * amax) * fp32(1/2688)
     }
 #pragma unroll
     for (int i = 0; i < 16; ++i) {

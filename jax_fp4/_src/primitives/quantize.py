@@ -46,7 +46,6 @@ __all__ = ["quantize_p", "quantize_3d", "DBIAS_ROWS", "OUTPUT_NAMES"]
 
 DBIAS_ROWS = 64  # rows per dbias partial sum (the kernel's tile height)
 OUTPUT_NAMES = ("row_data", "row_scale", "row_wamax", "col_data", "col_scale", "col_wamax", "dbias")
-_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 # FFI attribute encoding (cpp/quantize/quantize_params.h).
 KIND_NONE, KIND_NVFP4, KIND_MXFP8_E4M3, KIND_MXFP8_E5M2 = 0, 1, 2, 3
