@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that builds the package and runs the GPU checks, logging to $OUT (see ../shared/DESIGN.md,
 # "GPU workflow"). Usage on the device machine, from the repository root:
-#   bash tools/gpu_session.sh [golden] [pytest] [sanitize] [bench-quantize] [bench-dense] [bench-amax]
+#   bash tools/gpu_session.sh [golden] [pytest] [sanitize] [bench-quantize] [bench-dense] [bench-amax] [ncu-quantize]
 # (no arguments: all of them). Needs tools/golden/ref.npz from `python -P tools/golden/make.py` for "golden".
 set -uo pipefail
 R="$PWD"
@@ -30,6 +30,11 @@ for step in "${steps[@]}"; do
                       --out "$OUT/quantize.json" > "$OUT/bench_quantize.log" 2>&1; tail -45 "$OUT/bench_quantize.log" ;;
     bench-dense) timeout 300 python3 -P "$R/benchmarks/dense.py" --out "$OUT/dense.json" > "$OUT/bench_dense.log" 2>&1;
                  tail -25 "$OUT/bench_dense.log" ;;
+    ncu-quantize) timeout 240 ncu --kernel-name regex:QuantizeKernel --launch-skip 2 --launch-count 1 \
+                    --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+                    --section InstructionStats --section MemoryWorkloadAnalysis python3 -P "$R/benchmarks/quantize.py" \
+                    --shapes 8192x8192 --variants nvfp4_rowcol --iters 2 --repeats 1 \
+                    --out "$OUT/ncu_bench.json" > "$OUT/ncu.log" 2>&1; echo "ncu rc=$?"; grep -E "Duration|Throughput|Issue|Executed Ipc|Stall|Registers|Achieved Occ" "$OUT/ncu.log" | head -40 ;;
     bench-amax) timeout 100 python3 -P "$R/benchmarks/amax.py" --out "$OUT/amax.json" > "$OUT/bench_amax.log" 2>&1;
                 tail -8 "$OUT/bench_amax.log" ;;
     *) echo "unknown step $step" ;;

@@ -4,8 +4,7 @@
 //  * fp32 products / quotients use the IEEE intrinsics (__fmul_rn, __frcp_rn, __fdiv_rn): no contraction into FMAs,
 //    no flush-to-zero (the library is built with -ftz=false -prec-div=true);
 //  * E4M3 / E5M2 use cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32 (sm_89+, so Hopper runs them natively);
-//  * E2M1 has no instruction on Hopper: the sm_90 path compares against the RNE midpoints; the sm_100a path uses
-//    cvt.rn.satfinite.e2m1x2.f32 (compiled, not runnable on the Hopper test machines) with NaN replaced by +6 first.
+//  * E2M1 encoding lives in e2m1.cuh.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -28,42 +27,6 @@ constexpr float kEncNumerator = 2688.0f;                                        
 
 // fmaxf ignores a NaN operand, so block amaxes never carry NaN.
 __device__ __forceinline__ float AbsMax(float acc, float v) { return fmaxf(acc, fabsf(v)); }
-
-// ---- E2M1 ------------------------------------------------------------------------------------------------------
-// RNE onto {0, .5, 1, 1.5, 2, 3, 4, 6} with ties to the even code; |v| > 5 and inf -> 6; NaN -> +6 (0x7);
-// the sign is kept (including -0 -> 0x8).
-__device__ __forceinline__ uint32_t E2M1Rne(float v) {
-  const float a = fabsf(v);
-  if (a != a) return 7u;
-  const uint32_t sign = (__float_as_uint(v) >> 28) & 8u;
-  const uint32_t idx = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
-  return sign | idx;
-}
-
-// Two E2M1 codes in one byte: `lo` in bits 0..3, `hi` in bits 4..7.
-__device__ __forceinline__ uint32_t E2M1x2Rne(float lo, float hi) {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 1000) && defined(__CUDA_ARCH_FEAT_SM100_ALL)
-  // The instruction's NaN result is not specified as +6: canonicalise first (NUMERICS.md: NaN -> +6).
-  lo = (lo != lo) ? 6.0f : lo;
-  hi = (hi != hi) ? 6.0f : hi;
-  uint16_t r;
-  asm("{\n .reg .b8 t;\n cvt.rn.satfinite.e2m1x2.f32 t, %1, %2;\n cvt.u16.u8 %0, t;\n}" : "=h"(r) : "f"(hi), "f"(lo));
-  return r;
-#else
-  return E2M1Rne(lo) | (E2M1Rne(hi) << 4);
-#endif
-}
-
-// Stochastic rounding (TE PR #3281): t = |v| + (r/256) * step(|v|), rounded down onto the grid, clamped to 6;
-// sign restored; NaN -> +6. `r` is a random byte.
-__device__ __forceinline__ uint32_t E2M1Stochastic(float v, uint32_t r) {
-  const float a = fabsf(v);
-  if (a != a) return 7u;
-  const float step = a < 2.0f ? 0.5f : (a < 4.0f ? 1.0f : 2.0f);
-  const float t = __fadd_rn(a, __fmul_rn(static_cast<float>(r) * 0.00390625f, step));  // exact product
-  const uint32_t idx = (t >= 0.5f) + (t >= 1.0f) + (t >= 1.5f) + (t >= 2.0f) + (t >= 3.0f) + (t >= 4.0f) + (t >= 6.0f);
-  return ((__float_as_uint(v) >> 28) & 8u) | idx;
-}
 
 // ---- E4M3 / E5M2 -----------------------------------------------------------------------------------------------
 // RNE, satfinite (+-inf and overflow -> +-max), NaN -> 0x7F. Two values per call, `lo` in the low byte.
@@ -132,12 +95,6 @@ __device__ __forceinline__ uint4 Philox(uint32_t ctr, uint32_t k0, uint32_t k1) 
     c3 = lo0;
   }
   return make_uint4(c0, c1, c2, c3);
-}
-
-// Byte j (0..15) of a Philox output, little-endian within each word.
-__device__ __forceinline__ uint32_t RandomByte(const uint4& r, int j) {
-  const uint32_t w = (j < 4) ? r.x : (j < 8) ? r.y : (j < 12) ? r.z : r.w;
-  return (w >> (8 * (j & 3))) & 0xFFu;
 }
 
 // ---- Random Hadamard transform of one 16-chunk (reference/rht.py) --------------------------------------------------

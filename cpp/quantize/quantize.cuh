@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "common/convert.cuh"
+#include "common/e2m1.cuh"
 
 namespace jax_fp4 {
 namespace quantize {
@@ -88,9 +89,11 @@ __device__ __forceinline__ float Max16(const float (&v)[16]) {
 }
 
 // NVFP4 encode of one 1x16 block with its (block / 2D-tile) amax. `enc` is S_enc (1D/2D) or S_enc,w (1x64).
-// Writes 8 packed bytes to dst (8-byte aligned) and returns the E4M3 scale code.
+// Writes 8 packed bytes to dst (8-byte aligned) and returns the E4M3 scale code. kSr: stochastic rounding with the
+// 16 random bytes `rnd` (one Philox output).
+template <bool kSr>
 __device__ __forceinline__ uint32_t EncodeNvfp4(const float (&v)[16], float bamax, float enc, bool local,
-                                                 bool sr, const uint4& rnd, uint8_t* dst) {
+                                                 const uint32_t (&rnd)[4], uint8_t* dst) {
   const uint32_t sc = cvt::E4M3(__fmul_rn(bamax, __fmul_rn(enc, cvt::kInv6())));
   const float s_b = cvt::E4M3Value(sc);
   float mult;
@@ -99,20 +102,20 @@ __device__ __forceinline__ uint32_t EncodeNvfp4(const float (&v)[16], float bama
   } else {
     mult = fminf(__frcp_rn(__fmul_rn(s_b, __frcp_rn(enc))), FLT_MAX);
   }
-  uint32_t w[2] = {0u, 0u};
-#pragma unroll
-  for (int i = 0; i < 16; i += 2) {
-    const float a = __fmul_rn(v[i], mult), b = __fmul_rn(v[i + 1], mult);
-    uint32_t byte;
-    if (sr) {
-      byte = cvt::E2M1Stochastic(a, cvt::RandomByte(rnd, i)) | (cvt::E2M1Stochastic(b, cvt::RandomByte(rnd, i + 1)) << 4);
-    } else {
-      byte = cvt::E2M1x2Rne(a, b);
-    }
-    w[i / 8] |= byte << (8 * ((i / 2) & 3));
-  }
-  *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  *reinterpret_cast<uint2*>(dst) = make_uint2(e2m1::Pack8<kSr>(v, mult, rnd, 0), e2m1::Pack8<kSr>(v + 8, mult, rnd, 8));
   return sc;
+}
+
+// Uniform dispatch on the SR flag (once per block, not per element); the Philox counter is flat / 16.
+__device__ __forceinline__ uint32_t EncodeNvfp4(const float (&v)[16], float bamax, float enc, bool local, bool sr,
+                                                 int64_t flat, const uint32_t* key, uint8_t* dst) {
+  if (sr) {
+    const uint4 r = cvt::Philox(uint32_t(flat >> 4), key[0], key[1]);
+    const uint32_t rnd[4] = {r.x, r.y, r.z, r.w};
+    return EncodeNvfp4<true>(v, bamax, enc, local, rnd, dst);
+  }
+  const uint32_t rnd[4] = {0u, 0u, 0u, 0u};
+  return EncodeNvfp4<false>(v, bamax, enc, local, rnd, dst);
 }
 
 // MXFP8 encode of 16 values of a 32-block with E8M0 code e; writes 16 bytes through `store(i, byte)`.
@@ -178,9 +181,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
       const bool local = opts & k1x64;
       const float enc = local ? cvt::WindowEncodeScale(wamax) : cvt::GlobalEncodeScale(a.amax_row[p]);
       const int64_t flat = (p * M + m) * K + k;  // element index in the stored [P, M, K]
-      uint4 rnd = make_uint4(0, 0, 0, 0);
-      if (opts & kSr) rnd = cvt::Philox(uint32_t(flat >> 4), a.key_row[0], a.key_row[1]);
-      const uint32_t sc = EncodeNvfp4(v, bamax, enc, local, opts & kSr, rnd, a.row_data + flat / 2);
+      const uint32_t sc = EncodeNvfp4(v, bamax, enc, local, opts & kSr, flat, a.key_row, a.row_data + flat / 2);
       const int64_t si = p * M + m, sj = k >> 4;
       a.row_scale[a.swizzled ? SwizzledIndex(si, sj, a.row_scale_cols_padded) : si * (K >> 4) + sj] = uint8_t(sc);
       if (local && cg == 0) a.row_wamax[si * (K >> 6) + (k >> 6)] = wamax;
@@ -253,9 +254,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
         enc = cvt::GlobalEncodeScale(a.amax_col[p]);
       }
       const int64_t flat = (p * K + kc) * M + mc;  // element index in the stored [P, K, M]
-      uint4 rnd = make_uint4(0, 0, 0, 0);
-      if (opts & kSr) rnd = cvt::Philox(uint32_t(flat >> 4), a.key_col[0], a.key_col[1]);
-      const uint32_t sc = EncodeNvfp4(c, bamax, enc, local, opts & kSr, rnd, a.col_data + flat / 2);
+      const uint32_t sc = EncodeNvfp4(c, bamax, enc, local, opts & kSr, flat, a.key_col, a.col_data + flat / 2);
       const int64_t si = p * K + kc, sj = mc >> 4;
       a.col_scale[a.swizzled ? SwizzledIndex(si, sj, a.col_scale_cols_padded) : si * (M >> 4) + sj] = uint8_t(sc);
       if (local && rb == 0) a.col_wamax[si * (M >> 6) + (mc >> 6)] = wamax;

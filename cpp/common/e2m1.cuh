@@ -1,0 +1,146 @@
+// E2M1 encoding of 16 scaled values into 8 packed bytes (NUMERICS.md: NVFP4 element encode, stochastic rounding).
+//
+// Hopper has no E2M1 instruction, and the encode is the hot loop of every NVFP4 quantizer, so the sm_90 path uses
+// the fp32 adder instead of seven threshold compares:
+//   * clamp: c = max(min(y, 6), -6). min first, so NaN -> +6 (the canonical NaN code 0x7), -inf -> -6, and the sign
+//     of zero is kept. The magnitude a = |c| lies on [0, 6].
+//   * binade: e = 2^floor(log2 a) clamped below to 1, i.e. e in {1, 2, 4}; the E2M1 grid step on [0, 2), [2, 4),
+//     [4, 6] is e / 2, so with s = 2 / e the grid becomes the integers shifted by off = 2 log2(e) in {0, 2, 4}.
+//   * RNE: r = fma(a, s, 1.5 * 2^23 + off). a * s is exact, so the one rounding of the FFMA (to an integer: the ulp at
+//     1.5 * 2^23 is 1) is the round-half-even of a * s; off is even, so ties go to the even E2M1 code. The code
+//     rint(a * s) + off <= 7 is bits(r) - bits(1.5 * 2^23).
+//   * stochastic rounding (TE PR #3281, reference/sr.py): t = a + (rand / 256) * step with step = e / 2, rounded once
+//     (FFMA of the exact product), then floor(t * s) + off through the same FFMA in round-toward-zero.
+// tests/test_e2m1_exhaustive.py checks both against the threshold definitions on every fp32 input (host build of
+// this header). The sm_100a path uses cvt.rn.satfinite.e2m1x2.f32 for RNE (compiled, not runnable on Hopper).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define JF4_HD __host__ __device__ __forceinline__
+#else
+#include <cmath>
+#define JF4_HD inline
+#endif
+
+namespace jax_fp4 {
+namespace e2m1 {
+
+JF4_HD uint32_t Bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+JF4_HD float Float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+constexpr uint32_t kMagic = 0x4B400000u;  // bits of 1.5 * 2^23
+
+// sum over i < 8 of (kMagic << 4i) mod 2^32: what eight packed magic-biased codes carry above their nibbles.
+constexpr uint32_t MagicSum() {
+  uint32_t s = 0;
+  for (int i = 0; i < 8; ++i) s += kMagic << (4 * i);
+  return s;
+}
+
+JF4_HD float Clamp6(float y) {
+#if defined(__CUDA_ARCH__)
+  return fmaxf(fminf(y, 6.0f), -6.0f);  // PTX min/max return the non-NaN operand
+#else
+  return y != y ? 6.0f : (y > 6.0f ? 6.0f : (y < -6.0f ? -6.0f : y));  // the same on the host (no minss rules)
+#endif
+}
+
+// Exponent bits of e = max(2^floor(log2 |c|), 1) for |c| <= 6: 0x3F800000, 0x40000000 or 0x40800000. (The mask
+// drops the sign, so callers pass c itself rather than a materialised |c|.)
+JF4_HD uint32_t BinadeBits(float c) {
+  const uint32_t e = Bits(c) & 0x7F800000u;
+  return e > 0x3F800000u ? e : 0x3F800000u;
+}
+
+// kMagic + the RNE code of |c|, c = Clamp6(y).
+JF4_HD uint32_t MagnitudeRne(float c) {
+  const float a = fabsf(c);
+  const uint32_t e = BinadeBits(c);
+  const float s = Float(0x7F800000u - e);                      // 2 / e
+  const float moff = Float((e >> 22) + (kMagic - 0xFEu));      // 1.5 * 2^23 + 2 log2(e)
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(__fmaf_rn(a, s, moff));
+#else
+  return Bits(std::fmaf(a, s, moff));
+#endif
+}
+
+// kMagic + the stochastically rounded code of |c|, c = Clamp6(y), with random byte r.
+JF4_HD uint32_t MagnitudeSr(float c, uint32_t r) {
+  const float a = fabsf(c);
+  const uint32_t e = BinadeBits(c);
+  const float s = Float(0x7F800000u - e);
+  const float moff = Float((e >> 22) + (kMagic - 0xFEu));
+  const float step256 = Float(e - (9u << 23));                 // step / 256 = e / 512
+  const float rf = Float(0x4B000000u | r) - 8388608.0f;        // r as a float, exactly
+#if defined(__CUDA_ARCH__)
+  const float t = __fmaf_rn(rf, step256, a);                   // a + r * step / 256, one rounding
+  return __float_as_uint(__fmaf_rz(t, s, moff));               // moff + floor(t * s)
+#else
+  const float t = std::fmaf(rf, step256, a);
+  return Bits(std::floor(t * s) + moff);                       // t * s is exact; the sum is exact
+#endif
+}
+
+// Sign of c (bit 31) moved to bit 4j + 3: the sign bit of nibble j.
+JF4_HD uint32_t SignToNibble(float c, int j) {
+  const uint32_t b = Bits(c);
+  return (j == 7 ? b : b >> (28 - 4 * j)) & (8u << (4 * j));
+}
+
+// Random byte j (0..15) of a Philox output, little-endian within each word.
+JF4_HD uint32_t RandomByte(const uint32_t (&r)[4], int j) { return (r[j >> 2] >> (8 * (j & 3))) & 0xFFu; }
+
+// 8 values y[i] = v[i] * mult (fp32 RN products) -> 8 E2M1 codes packed low nibble first.
+template <bool kSr>
+JF4_HD uint32_t Pack8(const float* v, float mult, const uint32_t (&rnd)[4], int byte0) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 1000) && defined(__CUDA_ARCH_FEAT_SM100_ALL)
+  if constexpr (!kSr) {  // Blackwell: the conversion instruction (Clamp6 has already turned NaN into +6)
+    uint32_t packed = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+      const float lo = Clamp6(__fmul_rn(v[j], mult)), hi = Clamp6(__fmul_rn(v[j + 1], mult));
+      uint16_t b;
+      asm("{\n .reg .b8 t;\n cvt.rn.satfinite.e2m1x2.f32 t, %1, %2;\n cvt.u16.u8 %0, t;\n}" : "=h"(b) : "f"(hi), "f"(lo));
+      packed |= uint32_t(b) << (4 * j);
+    }
+    return packed;
+  }
+#endif
+  uint32_t acc = 0, sign = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#if defined(__CUDA_ARCH__)
+    const float c = Clamp6(__fmul_rn(v[j], mult));
+#else
+    const float c = Clamp6(v[j] * mult);
+#endif
+    const uint32_t r = kSr ? MagnitudeSr(c, RandomByte(rnd, byte0 + j)) : MagnitudeRne(c);
+    acc += r << (4 * j);
+    sign |= SignToNibble(c, j);
+  }
+  return (acc - MagicSum()) | sign;
+}
+
+}  // namespace e2m1
+}  // namespace jax_fp4
