@@ -136,7 +136,8 @@ __device__ __forceinline__ uint32_t Mxfp8ScaleCode(float bamax) {
   return cvt::E8M0FromFloat(__fmul_rn(bamax, kKind == kMxfp8E4m3 ? cvt::kInv448() : cvt::kInv57344()));
 }
 
-template <typename In, int kRow, int kCol>
+// kPlain: no NVFP4 option on either side (the common 1D case); the option branches then vanish at compile time.
+template <typename In, int kRow, int kCol, bool kPlain>
 __global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
   constexpr bool kNeedTile = kCol != kNone;
   __shared__ float tile[kNeedTile ? kTile : 1][kTile + 1];
@@ -163,7 +164,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
 
   // ---- rowwise ----
   if constexpr (kRow == kNvfp4) {
-    const int opts = a.row_opts;
+    const int opts = kPlain ? 0 : a.row_opts;
     if (opts & kRht) cvt::RhtForward16(v);  // v is already staged in shared memory for the columnwise pass
     float bamax = Max16(v);
     float wamax = fmaxf(bamax, __shfl_xor_sync(0xffffffffu, bamax, 1));
@@ -222,7 +223,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
       for (int i = 0; i < 16; ++i) s = __fadd_rn(s, c[i]);
       col_sum[rb][lc] = s;
     }
-    const int opts = a.col_opts;
+    const int opts = kPlain ? 0 : a.col_opts;
     if constexpr (kCol == kNvfp4) {
       if (opts & kRht) cvt::RhtForward16(c);
     }
@@ -282,7 +283,12 @@ __global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
 template <typename In, int kRow, int kCol>
 cudaError_t Launch(const Args& args, cudaStream_t stream) {
   const dim3 grid(unsigned((args.K + kTile - 1) / kTile), unsigned((args.M + kTile - 1) / kTile), unsigned(args.P));
-  QuantizeKernel<In, kRow, kCol><<<grid, kThreads, 0, stream>>>(args);
+  const bool nvfp4 = kRow == kNvfp4 || kCol == kNvfp4;
+  if (nvfp4 && args.row_opts == 0 && args.col_opts == 0) {
+    QuantizeKernel<In, kRow, kCol, true><<<grid, kThreads, 0, stream>>>(args);
+  } else {
+    QuantizeKernel<In, kRow, kCol, false><<<grid, kThreads, 0, stream>>>(args);
+  }
   return cudaGetLastError();
 }
 

@@ -32,7 +32,8 @@ static uint32_t SrDefinition(float v, uint32_t r) {
 static uint32_t Fast(float y, bool sr, uint32_t r) {
   const float c = Clamp6(y);
   const uint32_t m = sr ? MagnitudeSr(c, r) : MagnitudeRne(c);
-  return (m - kMagic) | SignToNibble(c, 0);
+  const float cs[8] = {c, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  return (m - kMagic) | Signs8(cs);
 }
 
 int main() {
