@@ -45,6 +45,7 @@ struct Args {
   bool swizzled;
   bool vector_loads;  // rows are 16-byte aligned (K * sizeof(In) % 16 == 0 and x aligned)
   int64_t row_scale_cols_padded, col_scale_cols_padded;  // padded scale-matrix columns (swizzled layout)
+  int tiles_per_cta;  // 64-row tiles one thread block walks down (set by Launch)
 };
 
 // Input element -> fp32 (exact widening).
@@ -136,9 +137,11 @@ __device__ __forceinline__ uint32_t Mxfp8ScaleCode(float bamax) {
   return cvt::E8M0FromFloat(__fmul_rn(bamax, kKind == kMxfp8E4m3 ? cvt::kInv448() : cvt::kInv57344()));
 }
 
-// kPlain: no NVFP4 option on either side (the common 1D case); the option branches then vanish at compile time.
+// One 64x64 tile (rows m0.., columns k0.. of x[p]; mt = m0 / 64). enc_row / enc_col: the NVFP4 tensor encode scales
+// (unused for 1x64 and MXFP8). Every barrier inside is reached by all threads of the block.
 template <typename In, int kRow, int kCol, bool kPlain>
-__global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
+__device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t mt, int64_t k0, float enc_row,
+                                             float enc_col) {
   constexpr bool kNeedTile = kCol != kNone;
   __shared__ float tile[kNeedTile ? kTile : 1][kTile + 1];
   __shared__ float row_tile_amax[kTile][4];  // rowwise 1x16 block amaxes (2D tiles)
@@ -146,7 +149,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
   __shared__ float col_sum[4][kTile];        // dbias partials
 
   const int t = threadIdx.x;
-  const int64_t p = blockIdx.z, m0 = int64_t(blockIdx.y) * kTile, k0 = int64_t(blockIdx.x) * kTile;
+  const int64_t m0 = mt * kTile;
   const int64_t M = a.M, K = a.K;
   const In* x = static_cast<const In*>(a.x) + p * M * K;
 
@@ -180,7 +183,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
     }
     if (row_in) {
       const bool local = opts & k1x64;
-      const float enc = local ? cvt::WindowEncodeScale(wamax) : cvt::GlobalEncodeScale(a.amax_row[p]);
+      const float enc = local ? cvt::WindowEncodeScale(wamax) : enc_row;
       const int64_t flat = (p * M + m) * K + k;  // element index in the stored [P, M, K]
       const uint32_t sc = EncodeNvfp4(v, bamax, enc, local, opts & kSr, flat, a.key_row, a.row_data + flat / 2);
       const int64_t si = p * M + m, sj = k >> 4;
@@ -241,7 +244,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
     }
     if (a.dbias != nullptr && rb == 0 && kc < K) {
       const float s = __fadd_rn(__fadd_rn(__fadd_rn(col_sum[0][lc], col_sum[1][lc]), col_sum[2][lc]), col_sum[3][lc]);
-      a.dbias[(p * gridDim.y + blockIdx.y) * K + kc] = s;
+      a.dbias[(p * ((M + kTile - 1) / kTile) + mt) * K + kc] = s;
     }
     if (!col_in) return;
     if constexpr (kCol == kNvfp4) {
@@ -252,7 +255,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
         wamax = fmaxf(fmaxf(col_red[0][lc], col_red[1][lc]), fmaxf(col_red[2][lc], col_red[3][lc]));
         enc = cvt::WindowEncodeScale(wamax);
       } else {
-        enc = cvt::GlobalEncodeScale(a.amax_col[p]);
+        enc = enc_col;
       }
       const int64_t flat = (p * K + kc) * M + mc;  // element index in the stored [P, K, M]
       const uint32_t sc = EncodeNvfp4(c, bamax, enc, local, opts & kSr, flat, a.key_col, a.col_data + flat / 2);
@@ -279,10 +282,31 @@ __global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
   }
 }
 
-// Host-side launch: grid (ceil(K/64), ceil(M/64), P).
+// Thread block (blockIdx.x, blockIdx.y, p) walks tiles_per_cta tiles down the rows, so that the per-thread setup and
+// the tensor encode scales are computed once per block.
+template <typename In, int kRow, int kCol, bool kPlain>
+__global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
+  const int64_t p = blockIdx.z, k0 = int64_t(blockIdx.x) * kTile;
+  const int64_t m_tiles = (a.M + kTile - 1) / kTile;
+  const int row_opts = kPlain ? 0 : a.row_opts, col_opts = kPlain ? 0 : a.col_opts;
+  const float enc_row = (kRow == kNvfp4 && !(row_opts & k1x64)) ? cvt::GlobalEncodeScale(a.amax_row[p]) : 1.0f;
+  const float enc_col = (kCol == kNvfp4 && !(col_opts & k1x64)) ? cvt::GlobalEncodeScale(a.amax_col[p]) : 1.0f;
+  const int64_t mt0 = int64_t(blockIdx.y) * a.tiles_per_cta;
+  const int64_t mt1 = mt0 + a.tiles_per_cta < m_tiles ? mt0 + a.tiles_per_cta : m_tiles;
+  for (int64_t mt = mt0; mt < mt1; ++mt) {  // uniform trip count: the barriers below are reached by all threads
+    QuantizeTile<In, kRow, kCol, kPlain>(a, p, mt, k0, enc_row, enc_col);
+    __syncthreads();  // shared memory is reused by the next tile
+  }
+}
+
+// Host-side launch: grid (ceil(K/64), ceil(ceil(M/64) / tiles_per_cta), P).
 template <typename In, int kRow, int kCol>
-cudaError_t Launch(const Args& args, cudaStream_t stream) {
-  const dim3 grid(unsigned((args.K + kTile - 1) / kTile), unsigned((args.M + kTile - 1) / kTile), unsigned(args.P));
+cudaError_t Launch(Args args, cudaStream_t stream) {
+  const int64_t k_tiles = (args.K + kTile - 1) / kTile, m_tiles = (args.M + kTile - 1) / kTile;
+  const int64_t tiles = k_tiles * m_tiles * args.P;
+  args.tiles_per_cta = tiles >= 2048 ? 4 : (tiles >= 256 ? 2 : 1);  // >= 512 blocks either way
+  const dim3 grid(unsigned(k_tiles), unsigned((m_tiles + args.tiles_per_cta - 1) / args.tiles_per_cta),
+                  unsigned(args.P));
   const bool nvfp4 = kRow == kNvfp4 || kCol == kNvfp4;
   if (nvfp4 && args.row_opts == 0 && args.col_opts == 0) {
     QuantizeKernel<In, kRow, kCol, true><<<grid, kThreads, 0, stream>>>(args);

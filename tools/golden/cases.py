@@ -56,6 +56,11 @@ def cases():
         out.append(("dq", "f32", (2, 64, 128), -120, (fmt, "f16"), 1, "compact"))
     out.append(("vmap", "bf16", (3, 64, 96), 0, N(), -1, "compact"))
     out.append(("vmap", "bf16", (3, 64, 96), 0, M(), 0, "compact"))
+    # >= 256 tiles: a thread block walks 2 tiles down the rows (27 row tiles: the last block has one).
+    out.append(("rc", "bf16", (1024, 1024), 0, (N(), N()), None, "compact"))
+    out.append(("rc", "bf16", (1728, 1024), 0, (N(), M()), None, "swizzled"))
+    out.append(("q", "bf16", (1728, 1024), 0, N(scaling_2d=True), -1, "compact"))
+    out.append(("q", "bf16", (1728, 1024), 0, M(), 0, "compact"))
     return out
 
 
