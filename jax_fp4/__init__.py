@@ -17,6 +17,9 @@ from jax_fp4._src.primitives.amax import tensor_amax
 from jax_fp4.dense import dense, dot_general
 from jax_fp4.formats import MXFP8, NVFP4, Format
 from jax_fp4.gemm import scaled_dot_general
+from jax_fp4.grouped import grouped_dequantize, grouped_quantize, grouped_quantize_rowwise_columnwise
+from jax_fp4.grouped_array import GroupedQuantizedArray
+from jax_fp4.grouped_gemm import ragged_dot
 from jax_fp4.quantize import dequantize, quantize, quantize_rowwise_columnwise, swizzle_scales, unswizzle_scales
 from jax_fp4.quantized_array import QuantizedArray
 
@@ -25,6 +28,8 @@ __version__ = "0.1.0"
 __all__ = [
     "HAS_CUDA_KERNELS", "MXFP8", "NVFP4", "Format", "QuantizedArray", "ReferenceOnlyWarning", "dense", "dequantize",
     "dot_general", "recipes", "scaled_dot_general",
+    "GroupedQuantizedArray", "grouped_dequantize", "grouped_quantize", "grouped_quantize_rowwise_columnwise",
+    "ragged_dot",
     "quantize", "quantize_rowwise_columnwise", "reference", "swizzle_scales", "tensor_amax", "unswizzle_scales",
 ]
 del _ffi

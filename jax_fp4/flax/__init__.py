@@ -28,7 +28,7 @@ from jax import lax
 from jax_fp4.dense import dot_general as _fp4_dot_general
 from jax_fp4.recipes import Recipe
 
-__all__ = ["linen", "nnx", "make_dot_general"]
+__all__ = ["linen", "nnx", "moe", "make_dot_general"]
 
 
 def _supported(lhs, rhs, dimension_numbers) -> bool:
@@ -89,4 +89,4 @@ def make_dot_general(recipe: Recipe, key=None, *, strict: bool = False):
     return dot_general
 
 
-from jax_fp4.flax import linen, nnx  # noqa: E402  (after make_dot_general: the submodules may import it)
+from jax_fp4.flax import linen, moe, nnx  # noqa: E402  (after make_dot_general: the submodules may import it)

@@ -26,13 +26,24 @@ key=jax.random.fold_in(key, g))`.
 
 Sizes. Empty groups (a zero dim) are legal. The groups may fill less than the buffer (sum of sizes <= x.size).
 Alignment: each group's block-axis length (K_g rowwise, M_g columnwise) must be a multiple of the block size (16
-NVFP4, 32 MXFP8). A static dimension is always checked; sizes given as numpy arrays / Python sequences / concrete
-(non-traced) jax arrays are checked too (ValueError naming the group; a concrete jax array is read to the host,
-which only happens outside jit), as are negative sizes and groups overrunning the buffer. Traced sizes cannot be
-checked: a misaligned group gets unspecified data and scales in its own slices only (every block is built from one
-group's elements, every index is bounds-checked), and the other groups keep the contract, their scales still at
-offsets[g] // block. A negative traced size counts as 0; groups overrunning the buffer (traced sizes summing past
-it) are truncated, with unspecified values. Offsets are int32 (x.size < 2**31).
+NVFP4, 32 MXFP8): a block never straddles two rows of a group, so each group's scales are its single-tensor scales.
+A static dimension is always checked; sizes given as numpy arrays / Python sequences / concrete (non-traced) jax
+arrays are checked too (ValueError naming the group; a concrete jax array is read to the host, which only happens
+outside jit), as are negative sizes and groups overrunning the buffer. Traced sizes cannot be checked at trace time;
+a misaligned group is *poisoned* instead, on the device, without a host sync: its scale codes are NaN (E4M3 0x7F,
+E8M0 0xFF), its MXFP8 data codes NaN (0x7F, e4m3fn and e5m2), its NVFP4 amax NaN, so it dequantizes (and multiplies)
+to NaN and the error cannot pass silently. Its E2M1 codes are unspecified. The other groups keep the contract, their
+scales still at offsets[g] // block (every block is built from one group's elements, every index is bounds-checked).
+A negative traced size counts as 0; groups overrunning the buffer (traced sizes summing past it) are truncated, with
+unspecified values. Offsets are int32 (x.size < 2**31).
+
+dbias (`column_sums`): float32 per-group column sums of the canonical [M_g, K_g] matrices (the bias gradient of
+grouped dY), [N, K] for SAME_BOTH_DIMS / VARYING_FIRST_DIM, [sum(K_i)] (group g at sum(K_<g)) for VARYING_LAST_DIM;
+an fp32 sum whose order is unspecified (not bit-exact).
+
+Cores. `quantize_groups` / `dequantize_groups` take the materialized dims (int32[N] rows and cols, possibly traced)
+and per-group Philox key words (`group_key_words`); they are the default lowerings of the `jf4_grouped_quantize` /
+`jf4_grouped_dequantize` primitives. `grouped_quantize` / `grouped_dequantize` validate and call them.
 
 Not supported grouped (ValueError): NVFP4 scaling_2d and local_1x64.
 
@@ -59,7 +70,11 @@ from jax_fp4.formats import MXFP8, NVFP4, Format
 from jax_fp4.reference import _f32, codes, mxfp8, nvfp4, rht, sr
 from jax_fp4.reference.amax import abs_bits
 
-__all__ = ["GroupedQuantized", "Representation", "grouped_dequantize", "grouped_quantize"]
+__all__ = [
+    "GroupedQuantized", "Representation", "check_format", "check_static_alignment", "column_sums", "dequantize_groups",
+    "group_dims", "group_key_words", "group_offsets", "grouped_dequantize", "grouped_quantize", "misaligned",
+    "normalize_axis", "quantize_groups", "static_block_dim", "validate",
+]
 
 I32, U32 = jnp.int32, jnp.uint32
 _FLOAT_INPUTS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -157,7 +172,7 @@ def _representation(x_shape, first_dims, last_dims, num_groups):
     return rep, n
 
 
-def _group_dims(x_shape, rep, first_dims, last_dims, n):
+def group_dims(x_shape, rep, first_dims, last_dims, n):
     """int32[N] rows and cols of every group."""
     if rep is Representation.SAME_BOTH_DIMS:
         return jnp.full((n,), x_shape[0] // n, I32), jnp.full((n,), x_shape[1], I32)
@@ -168,22 +183,35 @@ def _group_dims(x_shape, rep, first_dims, last_dims, n):
     return _dims_array(first_dims, "first_dims", n), _dims_array(last_dims, "last_dims", n)
 
 
+def static_block_dim(x_shape, rep, n: int, colwise: bool) -> int | None:
+    """The block-axis length every group shares when it is a static dimension of x (else None): K = x.shape[1]
+    rowwise for SAME_BOTH_DIMS / VARYING_FIRST_DIM, M = x.shape[0] (// N for SAME_BOTH_DIMS) columnwise for
+    SAME_BOTH_DIMS / VARYING_LAST_DIM."""
+    if rep is Representation.SAME_BOTH_DIMS:
+        return x_shape[0] // n if colwise else x_shape[1]
+    if rep is Representation.VARYING_FIRST_DIM and not colwise:
+        return x_shape[1]
+    if rep is Representation.VARYING_LAST_DIM and colwise:
+        return x_shape[0]
+    return None
+
+
+def check_static_alignment(x_shape, rep, n: int, colwise: bool, fmt: Format, what: str = "grouped_quantize"):
+    """ValueError when the static block-axis length (`static_block_dim`) is not a multiple of the block size."""
+    d = static_block_dim(x_shape, rep, n, colwise)
+    if d is not None and d % fmt.block_size:
+        side = "first dim M" if colwise else "last dim K"
+        raise ValueError(f"{what} {fmt!r}: every group's {side} is {d} (x {tuple(x_shape)}, {rep.value}), not a "
+                         f"multiple of the block size {fmt.block_size}")
+
+
 def _check_sizes(x_shape, rep, first_dims, last_dims, n, colwise, bs, fmt):
     """Static / concrete checks: alignment of the block axis, negative sizes, groups overrunning the buffer."""
     what = "first dim M" if colwise else "last dim K"
-    static_block_dim = None  # the block-axis length when it is a static dimension of x
-    if rep is Representation.SAME_BOTH_DIMS:
-        static_block_dim = x_shape[0] // n if colwise else x_shape[1]
-    elif rep is Representation.VARYING_FIRST_DIM and not colwise:
-        static_block_dim = x_shape[1]
-    elif rep is Representation.VARYING_LAST_DIM and colwise:
-        static_block_dim = x_shape[0]
-    if static_block_dim is not None and static_block_dim % bs:
-        raise ValueError(f"grouped_quantize {fmt!r}: every group's {what} is {static_block_dim} (x {tuple(x_shape)},"
-                         f" {rep.value}), not a multiple of the block size {bs}")
+    check_static_alignment(x_shape, rep, n, colwise, fmt)
     fd, ld = _concrete(first_dims), _concrete(last_dims)
     if (first_dims is not None and fd is None) or (last_dims is not None and ld is None):
-        return  # traced sizes: documented behaviour, no check possible
+        return  # traced sizes: checked on the device (misaligned groups are poisoned), see the module docstring
     if rep is Representation.SAME_BOTH_DIMS:
         return
     rows = fd if fd is not None else np.full(n, x_shape[0], np.int64)
@@ -203,6 +231,18 @@ def _check_sizes(x_shape, rep, first_dims, last_dims, n, colwise, bs, fmt):
 
 def _excl_cumsum(a):
     return jnp.concatenate([jnp.zeros((1,), I32), jnp.cumsum(a, dtype=I32)])
+
+
+def group_offsets(rows, cols) -> jnp.ndarray:
+    """int32[N+1] element offsets: the exclusive cumsum of max(rows, 0) * max(cols, 0)."""
+    return _excl_cumsum(jnp.maximum(rows, 0) * jnp.maximum(cols, 0))
+
+
+def misaligned(rows, cols, axis: int, block: int) -> jnp.ndarray:
+    """bool[N]: groups whose block-axis length (cols rowwise, rows columnwise; negative counts as 0) is not a
+    multiple of `block` (computed on the device, for traced sizes)."""
+    d = jnp.maximum(rows if axis == 0 else cols, 0)
+    return d % block != 0
 
 
 class _Layout:
@@ -243,23 +283,47 @@ def _take(src, idx, limit):
 
 
 # ---- quantize --------------------------------------------------------------------------------------------------
-def _check_format(fmt, key):
+def check_format(fmt, key, what: str = "grouped_quantize"):
+    """ValueError for formats grouped quantize does not support, or stochastic rounding without a key."""
     if isinstance(fmt, NVFP4):
         if fmt.scaling_2d or fmt.local_1x64:
-            raise ValueError(f"grouped_quantize: {fmt!r} is not supported for grouped tensors (scaling_2d and "
-                             f"local_1x64 are single-tensor only); use NVFP4 1D (optionally rht / "
-                             f"stochastic_rounding) or MXFP8")
+            raise ValueError(f"{what}: {fmt!r} is not supported for grouped tensors (scaling_2d and local_1x64 are "
+                             f"single-tensor only; for N same-shape tensors such as expert weights use "
+                             f"jax.vmap(jax_fp4.quantize)); use NVFP4 1D (optionally rht / stochastic_rounding) or "
+                             f"MXFP8")
         if fmt.stochastic_rounding and key is None:
-            raise ValueError(f"grouped_quantize: {fmt!r} needs a PRNG key (grouped_quantize(..., key=key))")
+            raise ValueError(f"{what}: {fmt!r} needs a PRNG key ({what}(..., key=key))")
     elif not isinstance(fmt, MXFP8):
-        raise ValueError(f"grouped_quantize: fmt must be jax_fp4.NVFP4(...) or jax_fp4.MXFP8(...), got {fmt!r}")
+        raise ValueError(f"{what}: fmt must be jax_fp4.NVFP4(...) or jax_fp4.MXFP8(...), got {fmt!r}")
 
 
-def _normalize_axis(axis) -> int:
+def normalize_axis(axis) -> int:
     if axis not in (-2, -1, 0, 1):
         raise ValueError(f"grouped_quantize: axis must be -1 (rowwise, blocks along each group's last dim) or 0 "
                          f"(columnwise, along its first dim), got {axis!r}")
     return -1 if axis % 2 else 0
+
+
+def validate(x, fmt: Format, *, first_dims=None, last_dims=None, num_groups: int | None = None, axis: int = -1,
+             key=None):
+    """Trace-time (and concrete-size) validation of a grouped quantize: returns (x, representation, N, rows, cols,
+    axis) with rows / cols the materialized int32[N] group dims. Raises ValueError as `grouped_quantize`."""
+    check_format(fmt, key)
+    x = jnp.asarray(x)
+    first_dims, last_dims = (np.asarray(d) if isinstance(d, (list, tuple)) else d for d in (first_dims, last_dims))
+    if jnp.dtype(x.dtype) not in _FLOAT_INPUTS:
+        raise ValueError(f"grouped_quantize {fmt!r}: x must be bfloat16, float16 or float32, got {x.dtype}"
+                         f"{list(x.shape)}")
+    axis = normalize_axis(axis)
+    rep, n = _representation(x.shape, first_dims, last_dims, num_groups)
+    rows, cols = group_dims(x.shape, rep, first_dims, last_dims, n)
+    _check_sizes(x.shape, rep, first_dims, last_dims, n, axis == 0, fmt.block_size, fmt)
+    return x, rep, n, rows, cols, axis
+
+
+def group_key_words(key, n: int) -> jnp.ndarray:
+    """uint32[N, 2]: the Philox key words of every group's stochastic-rounding stream, philox_key(fold_in(key, g))."""
+    return jax.vmap(lambda i: sr.philox_key(jax.random.fold_in(key, i)))(jnp.arange(n, dtype=U32))
 
 
 def grouped_quantize(x, fmt: Format, *, first_dims=None, last_dims=None, num_groups: int | None = None,
@@ -281,53 +345,66 @@ def grouped_quantize(x, fmt: Format, *, first_dims=None, last_dims=None, num_gro
     Raises:
       ValueError: unsupported format options, bad dtype / shapes / axis, concrete misaligned or overrunning sizes.
     """
-    _check_format(fmt, key)
-    x = jnp.asarray(x)
-    first_dims, last_dims = (np.asarray(d) if isinstance(d, (list, tuple)) else d for d in (first_dims, last_dims))
-    if jnp.dtype(x.dtype) not in _FLOAT_INPUTS:
-        raise ValueError(f"grouped_quantize {fmt!r}: x must be bfloat16, float16 or float32, got {x.dtype}"
-                         f"{list(x.shape)}")
-    axis = _normalize_axis(axis)
-    colwise, bs = axis == 0, fmt.block_size
-    rep, n = _representation(x.shape, first_dims, last_dims, num_groups)
-    rows, cols = _group_dims(x.shape, rep, first_dims, last_dims, n)
-    _check_sizes(x.shape, rep, first_dims, last_dims, n, colwise, bs, fmt)
-    offsets = _excl_cumsum(jnp.maximum(rows, 0) * jnp.maximum(cols, 0))  # VARYING_LAST_DIM: M * cumsum(K_i)
-    lay = _Layout(rows, cols, offsets, x.size, bs)
-    transposed = colwise  # the internal (oriented) order is [K_g, M_g] for every columnwise format
+    x, rep, n, rows, cols, axis = validate(x, fmt, first_dims=first_dims, last_dims=last_dims,
+                                           num_groups=num_groups, axis=axis, key=key)
+    words = group_key_words(key, n) if isinstance(fmt, NVFP4) and fmt.stochastic_rounding else None
+    data, scale, amax = quantize_groups(x, rows, cols, fmt, axis, words)
+    return GroupedQuantized(data, scale, amax, rows, cols, group_offsets(rows, cols), fmt, axis, rep, tuple(x.shape))
+
+
+def quantize_groups(x, rows, cols, fmt: Format, axis: int, key_words=None):
+    """The grouped quantize of an already validated buffer (jittable, vmappable; dims may be traced).
+
+    x: bfloat16/float16/float32, any shape (read flat); rows, cols: int32[N]; axis: -1 or 0; key_words: uint32[N, 2]
+    (`group_key_words`) for NVFP4 stochastic rounding, else None. Returns (data [x.size] in fmt.data_dtype, scale
+    [x.size // block] in fmt.scale_dtype, amax float32[N] (NVFP4) or None), misaligned groups poisoned.
+    """
+    bs, n, size = fmt.block_size, rows.shape[0], math.prod(x.shape)
+    rows, cols = rows.astype(I32), cols.astype(I32)
+    offsets = group_offsets(rows, cols)  # VARYING_LAST_DIM: M * cumsum(K_i)
+    lay = _Layout(rows, cols, offsets, size, bs)
+    transposed = axis == 0  # the internal (oriented) order is [K_g, M_g] for every columnwise format
 
     # Oriented gather: internal position -> group, oriented local index -> source element of x.
     g, local, valid = lay.locate(jnp.arange(lay.internal, dtype=I32), lay.aoff)
     m, k = rows[g], cols[g]
     src = offsets[g] + (_o2c(local, m, k) if transposed else local)
-    y = _take(x.reshape(-1), jnp.where(valid, src, -1), x.size).astype(jnp.float32)
+    y = _take(x.reshape(-1), jnp.where(valid, src, -1), size).astype(jnp.float32)
     gb, lb = g[::bs], local[::bs] // bs  # per internal block: group and block index inside the group
 
     if isinstance(fmt, NVFP4):
-        q, sc, amax = _nvfp4_blocks(y, fmt, gb, lb, n, key)
+        q, sc, amax = _nvfp4_blocks(y, fmt, gb, lb, n, key_words)
     else:
         q, sc = mxfp8.quantize(y, fmt)
         amax = None
 
+    bad = misaligned(rows, cols, axis, bs)
     # Data: output position -> internal position (NVFP4 stores the oriented order; MXFP8 keeps [M_g, K_g]).
-    p = jnp.arange(x.size, dtype=I32)
+    p = jnp.arange(size, dtype=I32)
     g2, l2, v2 = lay.locate(p, offsets)
     mxfp8_col = transposed and isinstance(fmt, MXFP8)
     l2 = _c2o(l2, rows[g2], cols[g2]) if mxfp8_col else l2
     data = _take(q, jnp.where(v2, lay.aoff[g2] + l2, -1), lay.internal)
     # Scales: output slot -> internal block.
     so = offsets // bs
-    s = jnp.arange(x.size // bs, dtype=I32)
+    s = jnp.arange(size // bs, dtype=I32)
     g3, l3, v3 = lay.locate(s, so)
     l3 = _c2o(l3, rows[g3] // bs, cols[g3]) if mxfp8_col else l3
     scale = _take(sc, jnp.where(v3, lay.aoff[g3] // bs + l3, -1), lay.internal // bs)
-    return GroupedQuantized(
-        codes.to_dtype(data, fmt.data_dtype), codes.to_dtype(scale, fmt.scale_dtype), amax, rows, cols, offsets,
-        fmt, axis, rep, tuple(x.shape),
-    )
+    # Poison misaligned groups (traced sizes; see the module docstring).
+    scale = jnp.where(v3 & bad[g3], U32(_SCALE_NAN[type(fmt)]), scale)
+    if isinstance(fmt, MXFP8):
+        data = jnp.where(v2 & bad[g2], U32(_MX_DATA_NAN), data)
+    else:
+        amax = jnp.where(bad, jnp.float32(jnp.nan), amax)
+    return codes.to_dtype(data, fmt.data_dtype), codes.to_dtype(scale, fmt.scale_dtype), amax
 
 
-def _nvfp4_blocks(y, fmt: NVFP4, gb, lb, n: int, key):
+_SCALE_NAN = {NVFP4: 0x7F, MXFP8: 0xFF}  # E4M3 and E8M0 NaN codes
+_MX_DATA_NAN = 0x7F  # NaN in float8_e4m3fn and float8_e5m2
+
+
+def _nvfp4_blocks(y, fmt: NVFP4, gb, lb, n: int, key_words):
     """NVFP4 1D math of `nvfp4.quantize` with a per-group tensor scale. y: f32 [internal], oriented and block
     aligned; gb / lb: group and in-group index of every 16-block. Returns (codes, scale codes, amax f32[N])."""
     bs = fmt.block_size
@@ -337,20 +414,37 @@ def _nvfp4_blocks(y, fmt: NVFP4, gb, lb, n: int, key):
     # Per-group tensor amax: blocks outside every group are all-zero, so they change no max.
     amax = _f32.from_bits(jax.ops.segment_max(bbits, gb, num_segments=n, indices_are_sorted=True))
     s_enc = nvfp4.global_encode_scale(amax)  # [N]
-    rbytes = _sr_bytes(key, gb, lb, n) if fmt.stochastic_rounding else None
+    rbytes = _sr_bytes(key_words, gb, lb) if fmt.stochastic_rounding else None
     q, sc = nvfp4.encode_blocks(y.reshape(-1, bs), _f32.from_bits(bbits), s_enc[gb], rbytes)
     return q.reshape(-1), sc, amax
 
 
-def _sr_bytes(key, gb, lb, n: int):
-    """Random bytes [blocks, 16]: block lb of group g takes Philox counter lb with the words of fold_in(key, g) —
-    bytes 16*lb .. 16*lb+15 of `sr.random_bytes(fold_in(key, g), group data shape)`."""
-    keys = jax.vmap(lambda i: sr.philox_key(jax.random.fold_in(key, i)))(jnp.arange(n, dtype=U32))  # [N, 2]
-    k = keys[gb]
+def _sr_bytes(key_words, gb, lb):
+    """Random bytes [blocks, 16]: block lb of group g takes Philox counter lb with the words key_words[g] — bytes
+    16*lb .. 16*lb+15 of `sr.random_bytes(fold_in(key, g), group data shape)`."""
+    k = key_words.astype(U32)[gb]
     ctr = lb.astype(U32)
     zero = jnp.zeros_like(ctr)
     w = jnp.stack(sr.philox4x32_10((ctr, zero, zero, zero), (k[:, 0], k[:, 1])), axis=-1)  # [blocks, 4]
     return ((w[..., None] >> jnp.array([0, 8, 16, 24], U32)) & U32(0xFF)).reshape(-1, 16)
+
+
+def column_sums(x, rows, cols, rep: Representation) -> jnp.ndarray:
+    """dbias: float32 column sums of every group's canonical [M_g, K_g] matrix (module docstring): [N, K] for
+    SAME_BOTH_DIMS / VARYING_FIRST_DIM, [x.shape[1]] for VARYING_LAST_DIM (group g's K_g sums at sum(K_<g))."""
+    if rep is Representation.VARYING_BOTH_DIMS:
+        raise ValueError("grouped dbias needs a static column count: SAME_BOTH_DIMS, VARYING_FIRST_DIM or "
+                         "VARYING_LAST_DIM, not VARYING_BOTH_DIMS")
+    rows, cols = rows.astype(I32), cols.astype(I32)
+    n, size = rows.shape[0], math.prod(x.shape)
+    width = x.shape[1] if rep is Representation.VARYING_LAST_DIM else n * x.shape[1]
+    offsets = group_offsets(rows, cols)
+    lay = _Layout(rows, cols, offsets, size, 1)
+    g, local, valid = lay.locate(jnp.arange(size, dtype=I32), offsets)
+    seg = _excl_cumsum(jnp.maximum(cols, 0))[g] + local % jnp.maximum(cols[g], 1)
+    sums = jax.ops.segment_sum(jnp.where(valid, x.reshape(-1).astype(jnp.float32), 0), jnp.where(valid, seg, width),
+                               num_segments=width)
+    return sums if rep is Representation.VARYING_LAST_DIM else sums.reshape(n, x.shape[1])
 
 
 # ---- dequantize ------------------------------------------------------------------------------------------------
@@ -358,26 +452,43 @@ def grouped_dequantize(gq: GroupedQuantized, dtype: Any = jnp.float32) -> jnp.nd
     """Inverse of `grouped_quantize`: `dtype` (f32/bf16/f16) values shaped like the original x.
 
     Group g equals `jax_fp4.reference.dequantize` of its single-tensor quantization; positions outside every group
-    are 0. Jittable and vmappable like the quantize.
+    are 0; a poisoned (misaligned) group is NaN. Jittable and vmappable like the quantize.
     """
-    fmt, bs = gq.fmt, gq.fmt.block_size
-    total = math.prod(gq.x_shape)
-    rows, cols, offsets = gq.first_dims.astype(I32), gq.last_dims.astype(I32), gq.offsets.astype(I32)
+    return dequantize_groups(gq.data, gq.scale, gq.amax, gq.first_dims, gq.last_dims, gq.fmt, gq.axis, gq.x_shape,
+                             dtype)
+
+
+def dequantize_groups(data, scale, amax, rows, cols, fmt: Format, axis: int, x_shape, dtype=jnp.float32, *,
+                      raw: bool = False) -> jnp.ndarray:
+    """The grouped dequantize core (dims may be traced): data [prod(x_shape)], scale [prod(x_shape) // block],
+    amax float32[N] (NVFP4; ignored when raw) -> `dtype`[x_shape].
+
+    raw=True returns the block-scaled values without the tensor scale, in the stored domain (NVFP4 value(q) * s_b,
+    no inverse RHT; MXFP8 as usual): exact in float32, the GEMM emulation's operand (dequantize = raw * amax/2688,
+    up to the roundings of that product).
+    """
+    bs = fmt.block_size
+    total = math.prod(x_shape)
+    rows, cols = rows.astype(I32), cols.astype(I32)
+    offsets = group_offsets(rows, cols)
     lay = _Layout(rows, cols, offsets, total, bs)
-    transposed = gq.axis == 0
+    transposed = axis == 0
     mxfp8_col = transposed and isinstance(fmt, MXFP8)
 
     # Internal (oriented, block-aligned) position -> stored data position, internal block -> stored scale slot.
     g, local, valid = lay.locate(jnp.arange(lay.internal, dtype=I32), lay.aoff)
     m, k = rows[g], cols[g]
     didx = offsets[g] + (_o2c(local, m, k) if mxfp8_col else local)
-    q = _take(codes.from_dtype(gq.data), jnp.where(valid, didx, -1), total)
+    q = _take(codes.from_dtype(data), jnp.where(valid, didx, -1), total)
     gb, lb, vb = g[::bs], local[::bs] // bs, valid[::bs]
     sidx = offsets[gb] // bs + (_o2c(lb, rows[gb] // bs, cols[gb]) if mxfp8_col else lb)
-    sc = _take(codes.from_dtype(gq.scale), jnp.where(vb, sidx, -1), total // bs)
+    sc = _take(codes.from_dtype(scale), jnp.where(vb, sidx, -1), total // bs)
 
-    if isinstance(fmt, NVFP4):
-        v = nvfp4.dequantize(q, sc, gq.amax[gb], None, fmt)  # per-block amax broadcasts like the scalar
+    if isinstance(fmt, NVFP4) and raw:
+        v = _f32.mul(codes.e2m1_value(q).reshape(-1, bs), codes.small_float_value(
+            codes.to_dtype(sc, jnp.float8_e4m3fn))[:, None]).reshape(-1)
+    elif isinstance(fmt, NVFP4):
+        v = nvfp4.dequantize(q, sc, amax[gb], None, fmt)  # per-block amax broadcasts like the scalar
     else:
         v = mxfp8.dequantize(codes.to_dtype(q, fmt.data_dtype), sc, fmt)
 
@@ -386,4 +497,4 @@ def grouped_dequantize(gq: GroupedQuantized, dtype: Any = jnp.float32) -> jnp.nd
     g2, l2, v2 = lay.locate(p, offsets)
     l2 = _c2o(l2, rows[g2], cols[g2]) if transposed else l2
     out = _take(v, jnp.where(v2, lay.aoff[g2] + l2, -1), lay.internal)
-    return codes.output(out, dtype).reshape(gq.x_shape)
+    return codes.output(out, dtype).reshape(x_shape)

@@ -224,9 +224,14 @@ def test_dequantize(fmt, axis, in_dtype, out_dtype):
     ids=repr,
 )
 def test_traced_misaligned_group_is_confined(fmt, axis, pairs, bad):
-    """Traced misaligned sizes cannot raise; they spoil only their own group (scales at offsets // block)."""
+    """Traced misaligned sizes cannot raise; they poison only their own group (NaN scale codes, NaN MXFP8 data,
+    NaN NVFP4 amax); the other groups keep the contract (scales at offsets // block)."""
     gq, x, rows, cols = _quantize(R.VARYING_BOTH_DIMS, fmt, axis, pairs, 11)
-    _check(gq, x, rows, cols, fmt, axis, skip=bad)
+    off, _ = _check(gq, x, rows, cols, fmt, axis, skip=bad)
+    bs, nvfp4 = fmt.block_size, isinstance(fmt, NVFP4)
+    for g in bad:
+        assert (_bytes(gq.scale)[off[g] // bs : off[g + 1] // bs] == (0x7F if nvfp4 else 0xFF)).all(), g
+        assert np.isnan(np.asarray(gq.amax)[g]) if nvfp4 else (_bytes(gq.data)[off[g] : off[g + 1]] == 0x7F).all()
     assert np.isfinite(np.asarray(_grouped_dequantize(gq, jnp.float32))).any()
 
 

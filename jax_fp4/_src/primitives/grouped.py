@@ -1,0 +1,271 @@
+"""`jf4_grouped_quantize` / `jf4_grouped_dequantize`: grouped (MoE) block-scaled quantization (NUMERICS.md s4).
+
+N tensors x_g [M_g, K_g] of one dtype live in one contiguous buffer, group g at flat element offset
+offsets[g] = sum_{i<g} M_i K_i, row-major; the representation (`reference.grouped.Representation`) says which
+dims vary. The group dims are device arrays (a router's output), never read on the host.
+
+jf4_grouped_quantize
+  Operands:
+    x: bfloat16 / float16 / float32 [R, C] (SAME_BOTH_DIMS [N*M, K], VARYING_FIRST_DIM [sum M_g, K],
+      VARYING_LAST_DIM [M, sum K_g], nominal) or [L] (VARYING_BOTH_DIMS).
+    first_dims, last_dims: int32[N], every group's M_g and K_g (static dims materialized by the caller).
+    key_row, key_col: uint32[N, 2], per-group Philox key words of NVFP4 stochastic rounding
+      (`reference.grouped.group_key_words`: group g uses philox_key(fold_in(key, g))); ignored otherwise.
+  Static parameters: row_fmt, col_fmt (a Format or None, at least one), representation, dbias (bool).
+  Results (always seven; an absent one is a placeholder uint8 / float32 [0]):
+    row_data   [x.size]       NVFP4 float4_e2m1fn (packed two per byte on GPU, even index in the low nibble) |
+                              MXFP8 float8_e4m3fn / float8_e5m2; each group's data flattened at offsets[g]
+    row_scale  [x.size // bs] float8_e4m3fn | float8_e8m0fnu; each group's compact scales at offsets[g] // bs
+    row_amax   float32[N]     per-group tensor amax (NVFP4; after the RHT for RHT formats)
+    col_data, col_scale, col_amax   the same for the columnwise quantization (NVFP4: of every x_g.T)
+    dbias      float32 [N, K] (SAME_BOTH_DIMS / VARYING_FIRST_DIM) or [C] (VARYING_LAST_DIM, group g at
+               sum(K_<g)): per-group column sums, fp32 in an unspecified order (not bit-exact)
+  Every group equals the single-tensor `jax_fp4.reference.quantize` of x_g bit for bit; buffer positions past the
+  last group hold code 0.
+
+jf4_grouped_dequantize
+  Operands: data [L], scale [L // bs] (as above), amax float32[N] (NVFP4 with raw=False, else float32[0]),
+    first_dims, last_dims int32[N].
+  Static parameters: fmt, axis (-1 rowwise / 0 columnwise), x_shape (L = prod(x_shape)), out_dtype (float32 /
+    bfloat16 / float16), raw (bool: block-scaled values without the NVFP4 tensor scale and without the inverse RHT,
+    exact in float32: the GEMM emulation's operand).
+  Result: out_dtype[x_shape], positions outside every group 0.
+
+Constraints (abstract eval, `ValueError` naming shapes, dtypes and formats). Formats: NVFP4 1D, optionally RHT and
+/ or stochastic rounding, and MXFP8 E4M3 / E5M2 (NVFP4 2D and 1x64 are single-tensor formats). Alignment: the block
+axis of every group (K_g rowwise, M_g columnwise) must be a whole number of blocks (16 NVFP4 -- also the RHT's
+16-chunk -- and 32 MXFP8), so a block never spans two rows of a group and every group's scales are its
+single-tensor scales. Abstract eval enforces it where the length is a static dim of x (rowwise: K of SAME_BOTH_DIMS
+/ VARYING_FIRST_DIM; columnwise: M of SAME_BOTH_DIMS / VARYING_LAST_DIM); `jax_fp4.grouped_quantize` also checks
+concrete sizes; traced sizes are checked on the device: a misaligned group is poisoned (NaN scales, NaN MXFP8 data,
+NaN NVFP4 amax), see `jax_fp4.reference.grouped`. Empty groups are legal. x.size < 2**31 (int32 offsets).
+
+Lowerings: the bit-exact reference (`reference.grouped.quantize_groups` / `dequantize_groups` / `column_sums`)
+everywhere; the CUDA lowering plugs in at the marked section below. vmap: `lax.map` over the batch (one unbatched
+call per example, so a kernel lowering serves batched calls too). Not differentiable (ragged_dot's custom VJP
+never differentiates it). No sharding rule yet (under jit with sharded inputs the call is replicated).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from jax_fp4._src.primitives._common import def_impl
+from jax_fp4.formats import NVFP4, Format
+from jax_fp4.reference import codes
+from jax_fp4.reference import grouped as ref
+from jax_fp4.reference.grouped import Representation
+
+__all__ = ["grouped_quantize_p", "grouped_dequantize_p", "grouped_quantize_raw", "grouped_dequantize_raw",
+           "OUTPUT_NAMES", "OUT_DTYPES"]
+
+OUTPUT_NAMES = ("row_data", "row_scale", "row_amax", "col_data", "col_scale", "col_amax", "dbias")
+OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_FLOAT_INPUTS = OUT_DTYPES
+_ShapedArray = jax.core.ShapedArray
+
+grouped_quantize_p = Primitive("jf4_grouped_quantize")
+grouped_quantize_p.multiple_results = True
+def_impl(grouped_quantize_p)
+grouped_dequantize_p = Primitive("jf4_grouped_dequantize")
+def_impl(grouped_dequantize_p)
+
+
+def _placeholder(dtype):
+    return _ShapedArray((0,), dtype)
+
+
+def _tensor_scale(fmt) -> bool:
+    return isinstance(fmt, NVFP4)
+
+
+def _check_dims(where, first_dims, last_dims):
+    n = first_dims.shape[0] if len(first_dims.shape) == 1 else -1
+    for name, d in (("first_dims", first_dims), ("last_dims", last_dims)):
+        if d.shape != (n,) or d.dtype != jnp.int32 or n < 1:
+            raise ValueError(f"{where}: {name} must be int32[N] with N >= 1 and the same N for both, got "
+                             f"first_dims {first_dims.dtype}{list(first_dims.shape)}, last_dims "
+                             f"{last_dims.dtype}{list(last_dims.shape)}")
+    return n
+
+
+def _check_x(where, shape, rep, n):
+    want = 1 if rep is Representation.VARYING_BOTH_DIMS else 2
+    if len(shape) != want:
+        raise ValueError(f"{where}: {rep.value} needs a {want}-D buffer, got shape {tuple(shape)}")
+    if rep is Representation.SAME_BOTH_DIMS and shape[0] % n:
+        raise ValueError(f"{where}: SAME_BOTH_DIMS buffer {tuple(shape)}: rows not divisible by N = {n} groups")
+    if math.prod(shape) >= 2**31:
+        raise ValueError(f"{where}: buffer {tuple(shape)} has >= 2**31 elements (int32 offsets)")
+
+
+def _orientation_avals(fmt, size, n):
+    if fmt is None:
+        return _placeholder(jnp.uint8), _placeholder(jnp.uint8), _placeholder(jnp.float32)
+    amax = _ShapedArray((n,), jnp.float32) if _tensor_scale(fmt) else _placeholder(jnp.float32)
+    return (_ShapedArray((size,), fmt.data_dtype), _ShapedArray((size // fmt.block_size,), fmt.scale_dtype), amax)
+
+
+def _quantize_abstract_eval(x, first_dims, last_dims, key_row, key_col, *, row_fmt, col_fmt, representation,
+                            dbias):
+    where = f"jf4_grouped_quantize: x {jnp.dtype(x.dtype)}{list(x.shape)}"
+    if not isinstance(representation, Representation):
+        raise ValueError(f"{where}: representation must be a jax_fp4.reference.grouped.Representation, got "
+                         f"{representation!r}")
+    if jnp.dtype(x.dtype) not in _FLOAT_INPUTS:
+        raise ValueError(f"{where}: x must be bfloat16, float16 or float32")
+    if row_fmt is None and col_fmt is None:
+        raise ValueError(f"{where}: no rowwise or columnwise format requested")
+    n = _check_dims(where, first_dims, last_dims)
+    _check_x(where, x.shape, representation, n)
+    for name, k in (("key_row", key_row), ("key_col", key_col)):
+        if k.shape != (n, 2) or k.dtype != jnp.uint32:
+            raise ValueError(f"{where}: {name} must be uint32[{n}, 2] (per-group Philox key words), got "
+                             f"{k.dtype}{list(k.shape)}")
+    for fmt, axis in ((row_fmt, -1), (col_fmt, 0)):
+        if fmt is not None:
+            if not isinstance(fmt, Format):
+                raise ValueError(f"{where}: expected a jax_fp4 Format, got {fmt!r}")
+            ref.check_format(fmt, key=True, what="jf4_grouped_quantize")
+            ref.check_static_alignment(x.shape, representation, n, axis == 0, fmt, "jf4_grouped_quantize")
+    size = math.prod(x.shape)
+    outs = _orientation_avals(row_fmt, size, n) + _orientation_avals(col_fmt, size, n)
+    if not dbias:
+        db = _placeholder(jnp.float32)
+    elif representation is Representation.VARYING_BOTH_DIMS:
+        raise ValueError(f"{where}: dbias needs a static column count (SAME_BOTH_DIMS, VARYING_FIRST_DIM or "
+                         f"VARYING_LAST_DIM), not VARYING_BOTH_DIMS")
+    elif representation is Representation.VARYING_LAST_DIM:
+        db = _ShapedArray((x.shape[1],), jnp.float32)
+    else:
+        db = _ShapedArray((n, x.shape[1]), jnp.float32)
+    return (*outs, db)
+
+
+grouped_quantize_p.def_abstract_eval(_quantize_abstract_eval)
+
+
+def _dequantize_abstract_eval(data, scale, amax, first_dims, last_dims, *, fmt, axis, x_shape, out_dtype, raw):
+    where = f"jf4_grouped_dequantize {fmt!r}: data {jnp.dtype(data.dtype)}{list(data.shape)}"
+    if not isinstance(fmt, Format):
+        raise ValueError(f"{where}: expected a jax_fp4 Format, got {fmt!r}")
+    if axis not in (-1, 0):
+        raise ValueError(f"{where}: axis must be -1 (rowwise) or 0 (columnwise), got {axis!r}")
+    if jnp.dtype(out_dtype) not in OUT_DTYPES:
+        raise ValueError(f"{where}: output dtype must be float32, bfloat16 or float16, got {out_dtype}")
+    n = _check_dims(where, first_dims, last_dims)
+    size, bs = math.prod(x_shape), fmt.block_size
+    if data.shape != (size,) or data.dtype != jnp.dtype(fmt.data_dtype):
+        raise ValueError(f"{where}: data must be {jnp.dtype(fmt.data_dtype)}[{size}] for x_shape {tuple(x_shape)}")
+    if scale.shape != (size // bs,) or scale.dtype != jnp.dtype(fmt.scale_dtype):
+        raise ValueError(f"{where}: scale must be {jnp.dtype(fmt.scale_dtype)}[{size // bs}], got "
+                         f"{scale.dtype}{list(scale.shape)}")
+    want = (n,) if _tensor_scale(fmt) and not raw else (0,)
+    if amax.shape != want or amax.dtype != jnp.float32:
+        raise ValueError(f"{where}: amax must be float32{list(want)}, got {amax.dtype}{list(amax.shape)}")
+    return _ShapedArray(tuple(x_shape), out_dtype)
+
+
+grouped_dequantize_p.def_abstract_eval(_dequantize_abstract_eval)
+
+
+# ---- reference lowering (every platform today) ------------------------------------------------------------------
+def reference_quantize(x, first_dims, last_dims, key_row, key_col, *, row_fmt, col_fmt, representation, dbias):
+    """The primitive's semantics in pure jnp (its default lowering)."""
+    outs = []
+    for fmt, axis, kw in ((row_fmt, -1, key_row), (col_fmt, 0, key_col)):
+        if fmt is None:
+            outs += [jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.float32)]
+            continue
+        words = kw if isinstance(fmt, NVFP4) and fmt.stochastic_rounding else None
+        data, scale, amax = ref.quantize_groups(x, first_dims, last_dims, fmt, axis, words)
+        outs += [data, scale, jnp.zeros((0,), jnp.float32) if amax is None else amax]
+    outs.append(ref.column_sums(x, first_dims, last_dims, representation) if dbias
+                else jnp.zeros((0,), jnp.float32))
+    return tuple(outs)
+
+
+def reference_dequantize(data, scale, amax, first_dims, last_dims, *, fmt, axis, x_shape, out_dtype, raw):
+    return ref.dequantize_groups(data, scale, amax if amax.shape[0] else None, first_dims, last_dims, fmt, axis,
+                                 x_shape, out_dtype, raw=raw)
+
+
+mlir.register_lowering(grouped_quantize_p, mlir.lower_fun(reference_quantize, multiple_results=True))
+mlir.register_lowering(grouped_dequantize_p, mlir.lower_fun(reference_dequantize, multiple_results=False))
+
+
+# ---- CUDA lowering: plugs in here ---------------------------------------------------------------------------------
+# A CUDA build that exports the FFI targets "jf4_grouped_quantize" / "jf4_grouped_dequantize" (cpp/grouped/, not
+# written yet) registers `jax.ffi.ffi_lowering(target)` for platform "cuda" at this point, guarded like the others:
+#
+#   if _ffi.ensure_registered() and "jf4_grouped_quantize" in _ffi.targets():
+#       mlir.register_lowering(grouped_quantize_p, _cuda_quantize_lowering, platform="cuda")
+#
+# with the operands above in order, the formats encoded as `jf4_quantize`'s row_kind / col_kind / flags attributes
+# (quantize.py: KIND_*, OPT_* << COL_SHIFT, FLAG_DBIAS) plus `representation` (int32: the index in Representation)
+# and falling back to the reference lowering for cases the kernel does not tile. The buffers' positions past the
+# last group must be written (code 0); the kernel reads first_dims / last_dims on the device only.
+CUDA_TARGETS = ("jf4_grouped_quantize", "jf4_grouped_dequantize")  # the FFI names the kernels will register
+
+
+# ---- batching: one unbatched call per example -------------------------------------------------------------------
+def _is_fp4(dtype) -> bool:
+    return jnp.dtype(dtype).name.startswith("float4")
+
+
+def _mapped(prim, args, dims, params):
+    """`lax.map` of the unbatched primitive. 4-bit arrays cross the loop boundary as uint8 codes: XLA:CPU (jax 0.12)
+    emits invalid LLVM IR (an i8 -> i4 bitcast) for float4 values stacked by a while loop."""
+    size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
+    lead = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+            for a, d in zip(args, dims, strict=True)]
+    fp4_in = [_is_fp4(a.dtype) for a in lead]
+    unbatched = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in lead]
+    avals = jax.eval_shape(lambda *ops: prim.bind(*ops, **params), *unbatched)
+    fp4_out = [_is_fp4(a.dtype) for a in (avals if prim.multiple_results else [avals])]
+    lead = [codes.from_dtype(a).astype(jnp.uint8) if f else a for a, f in zip(lead, fp4_in, strict=True)]
+
+    def body(ops):
+        ops = [codes.to_dtype(a, jnp.float4_e2m1fn) if f else a for a, f in zip(ops, fp4_in, strict=True)]
+        out = prim.bind(*ops, **params)
+        outs = out if prim.multiple_results else [out]
+        return [codes.from_dtype(o).astype(jnp.uint8) if f else o for o, f in zip(outs, fp4_out, strict=True)]
+
+    outs = jax.lax.map(body, tuple(lead))
+    outs = [codes.to_dtype(o, jnp.float4_e2m1fn) if f else o for o, f in zip(outs, fp4_out, strict=True)]
+    return (outs, [0] * len(outs)) if prim.multiple_results else (outs[0], 0)
+
+
+batching.primitive_batchers[grouped_quantize_p] = lambda args, dims, **p: _mapped(grouped_quantize_p, args, dims, p)
+batching.primitive_batchers[grouped_dequantize_p] = (
+    lambda args, dims, **p: _mapped(grouped_dequantize_p, args, dims, p))
+
+
+# ---- binding helpers --------------------------------------------------------------------------------------------
+def grouped_quantize_raw(x, first_dims, last_dims, key_row=None, key_col=None, *, row_fmt, col_fmt,
+                         representation, dbias=False) -> dict:
+    """Bind `jf4_grouped_quantize` (module docstring); key words default to zeros. Returns the seven results by
+    name."""
+    n = first_dims.shape[0]
+    zero = jnp.zeros((n, 2), jnp.uint32)
+    key_row = zero if key_row is None else key_row
+    key_col = zero if key_col is None else key_col
+    outs = grouped_quantize_p.bind(x, first_dims.astype(jnp.int32), last_dims.astype(jnp.int32), key_row, key_col,
+                                   row_fmt=row_fmt, col_fmt=col_fmt, representation=representation,
+                                   dbias=bool(dbias))
+    return dict(zip(OUTPUT_NAMES, outs, strict=True))
+
+
+def grouped_dequantize_raw(data, scale, amax, first_dims, last_dims, *, fmt, axis, x_shape, out_dtype=jnp.float32,
+                           raw=False):
+    """Bind `jf4_grouped_dequantize` (module docstring); amax None for formats without a tensor scale."""
+    if amax is None or raw:
+        amax = jnp.zeros((0,), jnp.float32)
+    return grouped_dequantize_p.bind(data, scale, amax, first_dims.astype(jnp.int32), last_dims.astype(jnp.int32),
+                                     fmt=fmt, axis=int(axis), x_shape=tuple(x_shape), out_dtype=jnp.dtype(out_dtype),
+                                     raw=bool(raw))

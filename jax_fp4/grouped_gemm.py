@@ -1,0 +1,203 @@
+"""Quantized grouped GEMM `ragged_dot` (MoE expert projections) with a custom VJP following a `Recipe`.
+
+y[t] = lhs[t] @ rhs[g] for every row t of group g, as `jax.lax.ragged_dot`: lhs [T, K] holds the tokens sorted by
+expert (group_sizes[g] rows each, rows past sum(group_sizes) give 0), rhs [G, K, N] one weight per expert.
+
+The three GEMMs and their operands (x = lhs, w = rhs, dy the cotangent of y; the recipe fields in brackets):
+  fprop  y     = ragged_dot(x, w)        x [fprop_x] blocks along K, w [fprop_w] blocks along K
+  dgrad  dx    = ragged_dot(dy, w^T)     dy [dgrad_dy] blocks along N, w [dgrad_w] blocks along N
+  wgrad  dw[g] = x_g^T dy_g              x [wgrad_x] and dy [wgrad_dy] blocked along the tokens of each group
+wgrad is the transpose `jax.lax.ragged_dot` itself uses for rhs: a `ragged_dot_general` whose ragged dimension
+(tokens) is contracted, giving one [K, N] product per group.
+
+Quantization: x and dy are grouped tensors (VARYING_FIRST_DIM over the token groups), each quantized once in both
+orientations by `grouped_quantize_rowwise_columnwise` (one tensor scale per group: NUMERICS.md section 4); w is
+quantized per expert by `jax.vmap(quantize_rowwise_columnwise)` (one tensor scale per expert; every single-tensor
+format, NVFP4's 16x16 2D weight blocks included). The residuals are the *quantized* wgrad x (grouped) and dgrad w
+(per expert), tagged "jax_fp4_x_wgrad" / "jax_fp4_w_dgrad" as in `jax_fp4.dense`, plus group_sizes.
+
+Emulation (NUMERICS.md "GEMM emulation", as `scaled_dot_general`): each operand becomes its exact block-scaled
+values (value(q) * s_b, exact in bfloat16), the ragged product accumulates in float32 (Precision.HIGHEST), and
+the NVFP4 tensor scales amax/2688 of the row's group (fprop, dgrad) or of the group (wgrad) multiply the float32
+result, lhs's first. RHT pairs (wgrad) cancel inside each 16-chunk of tokens, which lies in one group when the
+groups are aligned (below).
+
+Randomness: key -> (kx, kw, kdy) = jax.random.split(key, 3); x and dy as `grouped_quantize_rowwise_columnwise`
+(split into rowwise / columnwise keys, folded with the group index); w: expert g uses jax.random.split(kw, G)[g].
+
+Alignment: wgrad blocks run along each group's tokens, so with a quantized wgrad every group size must be a multiple
+of the wgrad formats' block size (16 NVFP4, 32 MXFP8): pad the groups (`jax_fp4.flax.moe` does) with zero rows.
+The sizes are checked on the device, traced or not (no host sync): a misaligned group's dw is NaN (its quantized
+wgrad operands are poisoned, see `jax_fp4.reference.grouped`), never silently wrong. fprop and dgrad have no
+constraint on the group sizes, so inference needs no padding.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from jax_fp4.dense import RESIDUAL_NAMES
+from jax_fp4.gemm import exact_operand
+from jax_fp4.grouped import grouped_dequantize, grouped_quantize_rowwise_columnwise
+from jax_fp4.grouped_array import GroupedQuantizedArray
+from jax_fp4.quantize import quantize_rowwise_columnwise
+from jax_fp4.quantized_array import QuantizedArray
+from jax_fp4.recipes import Recipe
+from jax_fp4.reference import grouped as ref
+from jax_fp4.reference.nvfp4 import INV_ENC_NUMERATOR
+
+__all__ = ["ragged_dot", "grouped_exact_operand", "FPROP_DIMS", "DGRAD_DIMS", "WGRAD_DIMS"]
+
+# x[T, K] . w[G, K, N] -> [T, N]; dy[T, N] . w[G, K, N] over N -> [T, K]; x[T, K] . dy[T, N] over T -> [G, K, N].
+FPROP_DIMS = lax.RaggedDotDimensionNumbers(((([1], [1])), ([], [])), [0], [0])
+DGRAD_DIMS = lax.RaggedDotDimensionNumbers(((([1], [2])), ([], [])), [0], [0])
+WGRAD_DIMS = lax.RaggedDotDimensionNumbers(((([0], [0])), ([], [])), [0], [])
+_GROUPED_OPERANDS = ("fprop_x", "wgrad_x", "dgrad_dy", "wgrad_dy")
+
+
+def grouped_exact_operand(gq: GroupedQuantizedArray):
+    """(values, tensor_scale) of a grouped operand: values bfloat16 of gq.shape holding value(q) * s_b exactly (the
+    RHT domain for RHT formats), tensor_scale float32[N] = amax * fp32(1/2688) (NVFP4) or None (MXFP8), so that
+    group g's dequantize is values * tensor_scale[g] up to the roundings of that product."""
+    v = grouped_dequantize(gq, jnp.float32, raw=True).astype(jnp.bfloat16)
+    return v, (gq.amax.astype(jnp.float32) * INV_ENC_NUMERATOR if gq.amax is not None else None)
+
+
+def _values(op):
+    """(values, per-group tensor scale or None) of an operand: grouped, per-expert quantized, or a plain array."""
+    if isinstance(op, GroupedQuantizedArray):
+        return grouped_exact_operand(op)
+    if isinstance(op, QuantizedArray):
+        return jax.vmap(exact_operand)(op)
+    return op, None
+
+
+def _product(a, b, group_sizes, dims):
+    quantized = not isinstance(a, jax.Array) or not isinstance(b, jax.Array)
+    if quantized:  # keep the quantize producers out of the decode fusions (see gemm.py)
+        a, b = lax.optimization_barrier((a, b))
+    (va, ta), (vb, tb) = _values(a), _values(b)
+    dt = jnp.float32 if jnp.float32 in (va.dtype, vb.dtype) else jnp.bfloat16
+    out = lax.ragged_dot_general(va.astype(dt), vb.astype(dt), group_sizes, dims,
+                                 precision=lax.Precision.HIGHEST if quantized else None,
+                                 preferred_element_type=jnp.float32)
+    if dims is WGRAD_DIMS:  # [G, K, N]: one scale per group
+        for t in (ta, tb):
+            if t is not None:
+                out = out * t[:, None, None]
+        return out
+    gid = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(out.shape[0], dtype=group_sizes.dtype), side="right")
+    for t in (ta, tb):  # rows: the scale of the row's group (rows past the groups are 0 and keep scale 1)
+        if t is not None:
+            out = out * jnp.concatenate([t, jnp.ones((1,), jnp.float32)])[gid][:, None]
+    return out
+
+
+def _keys(key):
+    return (None, None, None) if key is None else tuple(jax.random.split(key, 3))
+
+
+def _grouped_pair(a, group_sizes, row_fmt, col_fmt, key):
+    """(rowwise, columnwise) grouped quantizations of a [T, C] over the token groups; `a` where not quantized."""
+    if row_fmt is None and col_fmt is None:
+        return a, a
+    row, col, _ = grouped_quantize_rowwise_columnwise(a, group_sizes, row_fmt, col_fmt, key=key)
+    return (a if row is None else row), (a if col is None else col)
+
+
+def _weight_pair(w, row_fmt, col_fmt, key):
+    """(blocks along N, blocks along K) quantizations of every expert's w[g] [K, N]; `w` where not quantized."""
+    if row_fmt is None and col_fmt is None:
+        return w, w
+    sr = [f for f in (row_fmt, col_fmt) if getattr(f, "stochastic_rounding", False)]
+    keys = jax.random.split(key, w.shape[0]) if (sr and key is not None) else None
+
+    def one(wg, kg):
+        return quantize_rowwise_columnwise(wg, row_fmt, col_fmt, key=kg)[:2]
+
+    row, col = jax.vmap(one)(w, keys) if keys is not None else jax.vmap(lambda wg: one(wg, None))(w)
+    return (w if row is None else row), (w if col is None else col)
+
+
+def _dtype_tag(a):
+    return jnp.zeros((0,), a.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ragged(recipe, x, w, group_sizes, key):
+    return _ragged_fwd(recipe, x, w, group_sizes, key)[0]
+
+
+def _ragged_fwd(recipe, x, w, group_sizes, key):
+    kx, kw, kdy = _keys(key)
+    x_fprop, x_wgrad = _grouped_pair(x, group_sizes, recipe.fprop_x, recipe.wgrad_x, kx)
+    w_dgrad, w_fprop = _weight_pair(w, recipe.dgrad_w, recipe.fprop_w, kw)
+    y = _product(x_fprop, w_fprop, group_sizes, FPROP_DIMS)
+    res = (jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[0]), x_wgrad),
+           jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[1]), w_dgrad),
+           group_sizes, kdy, _dtype_tag(x), _dtype_tag(w))
+    return y.astype(jnp.result_type(x, w)), res
+
+
+def _ragged_bwd(recipe, res, dy):
+    x_wgrad, w_dgrad, group_sizes, kdy, xs, ws = res
+    dy_dgrad, dy_wgrad = _grouped_pair(dy, group_sizes, recipe.dgrad_dy, recipe.wgrad_dy, kdy)
+    dx = _product(dy_dgrad, w_dgrad, group_sizes, DGRAD_DIMS).astype(xs.dtype)
+    dw = _product(x_wgrad, dy_wgrad, group_sizes, WGRAD_DIMS).astype(ws.dtype)
+    return dx, dw, None, None
+
+
+_ragged.defvjp(_ragged_fwd, _ragged_bwd)
+
+
+def _check(lhs, rhs, group_sizes, recipe):
+    where = (f"ragged_dot: lhs {lhs.dtype}{list(lhs.shape)}, rhs {rhs.dtype}{list(rhs.shape)}, group_sizes "
+             f"{group_sizes.dtype}{list(group_sizes.shape)}")
+    if not isinstance(recipe, Recipe):
+        raise ValueError(f"{where}: recipe must be a jax_fp4.recipes.Recipe, got {type(recipe).__name__}")
+    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(f"{where}: expected lhs [T, K] and rhs [G, K, N]")
+    if group_sizes.shape != (rhs.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"{where}: group_sizes must be int[G] with G = rhs.shape[0] = {rhs.shape[0]}")
+    for name in _GROUPED_OPERANDS:
+        fmt = getattr(recipe, name)
+        if fmt is not None:
+            try:
+                ref.check_format(fmt, key=True, what="ragged_dot")
+            except ValueError as e:
+                raise ValueError(f"{where}: recipe {recipe.name}'s {name} = {fmt!r} cannot quantize the grouped "
+                                 f"tokens ({e})") from None
+
+
+def ragged_dot(lhs, rhs, group_sizes, *, recipe: Recipe, key=None):
+    """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` with the GEMMs quantized as `recipe` says (custom VJP, module
+    docstring).
+
+    Args:
+      lhs: bfloat16 / float16 / float32 [T, K], the rows of group g contiguous (tokens sorted by expert).
+      rhs: [G, K, N] (same float dtypes), one weight per group.
+      group_sizes: int[G] rows per group (traced: a router's counts; sum <= T, rows past the sum give 0).
+      recipe: a `jax_fp4.recipes.Recipe`; `recipes.BF16()` calls `jax.lax.ragged_dot` unchanged (same bits, same
+        gradients). Its x / dy formats must be grouped formats (NVFP4 1D, RHT, SR; MXFP8): NVFP4_1x64 raises.
+      key: PRNG key, required when the recipe uses stochastic rounding.
+
+    Returns:
+      [T, N] in the promoted dtype of lhs and rhs (float32 accumulation and tensor scales, then one cast).
+
+    Raises:
+      ValueError: shapes that do not line up; group_sizes not int[G]; a missing key; formats that cannot block the
+      shapes (K and N multiples of the formats' blocks, 16 for NVFP4 2D weights). Group sizes that are not
+      multiples of the wgrad formats' block size do not raise: that group's dw is NaN (module docstring).
+    """
+    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
+    _check(lhs, rhs, group_sizes, recipe)
+    if not recipe.quantized:
+        return lax.ragged_dot(lhs, rhs, group_sizes)
+    if recipe.needs_key and key is None:
+        raise ValueError(f"ragged_dot: recipe {recipe.name} uses stochastic rounding and needs key=...")
+    return _ragged(recipe, lhs, rhs, group_sizes, key)
