@@ -1,0 +1,108 @@
+"""Byte-level text data for train_lm.py: a corpus split into train / validation and deterministic batches.
+
+Corpora:
+  * default: the Python standard library's own ``.py`` sources on this machine (``sysconfig.get_paths()["stdlib"]``,
+    site-packages / dist-packages left out), no download. Split by file: a file is validation when the CRC-32 of its
+    path relative to the stdlib root is 0 mod 10 (about 10% of the files, the same on every machine with the same
+    Python), so no function is half in train and half in validation.
+  * ``load_text_file(path)``: any file, read as bytes; the last 10% (a contiguous region) is validation.
+Tokens are the bytes themselves (vocab 256), stored as uint8 arrays.
+
+Batches are uint8 [batch, seq + 1] windows (inputs = [:, :-1], targets = [:, 1:]):
+  * training: random window starts from ``np.random.default_rng([seed, step])``, a pure function of (seed, step), so
+    every recipe sees the same data in the same order and a resumed run continues with the batches it would have seen;
+  * validation: a fixed set of evenly spaced windows over the validation split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sysconfig
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+VAL_FRACTION = 0.1
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    train: np.ndarray  # uint8 [n_train]
+    val: np.ndarray  # uint8 [n_val]
+    description: str
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(root: Path | None = None) -> list[Path]:
+    """The standard library's .py files under root (sorted relative paths), site-packages excluded."""
+    root = stdlib_root() if root is None else Path(root)
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        rel = Path(dirpath).relative_to(root)
+        found += [rel / f for f in sorted(filenames) if f.endswith(".py")]
+    return found
+
+
+def is_validation_file(relpath: Path) -> bool:
+    """Deterministic file-level split: CRC-32 of the POSIX relative path, 0 mod 10 -> validation."""
+    return zlib.crc32(relpath.as_posix().encode()) % round(1 / VAL_FRACTION) == 0
+
+
+def load_stdlib(root: Path | None = None) -> Corpus:
+    """The stdlib sources, split by file; files are concatenated in sorted order, each followed by a newline."""
+    root = stdlib_root() if root is None else Path(root)
+    files = stdlib_files(root)
+    if not files:
+        raise FileNotFoundError(f"no .py files under {root} (the Python standard library); pass --data FILE")
+    parts = {True: [], False: []}
+    for rel in files:
+        try:
+            parts[is_validation_file(rel)].append((root / rel).read_bytes() + b"\n")
+        except OSError:  # unreadable file: skip it
+            continue
+    if not parts[True] or not parts[False]:
+        raise FileNotFoundError(f"too few .py files under {root} for a train/validation split; pass --data FILE")
+    train, val = (np.frombuffer(b"".join(parts[v]), np.uint8) for v in (False, True))
+    desc = (f"Python {sysconfig.get_python_version()} stdlib at {root}: {len(files)} .py files, "
+            f"{train.size / 1e6:.1f} MB train / {val.size / 1e6:.1f} MB validation (split by file)")
+    return Corpus(train, val, desc)
+
+
+def load_text_file(path) -> Corpus:
+    """Any file as bytes: the first 90% is train, the last 10% (contiguous) validation."""
+    data = np.frombuffer(Path(path).read_bytes(), np.uint8)
+    n_val = int(data.size * VAL_FRACTION)
+    desc = (f"{path}: {data.size / 1e6:.2f} MB, {data.size - n_val} bytes train / {n_val} bytes validation "
+            "(the last 10%)")
+    return Corpus(data[: data.size - n_val], data[data.size - n_val:], desc)
+
+
+def check_sizes(corpus: Corpus, seq: int):
+    """ValueError unless both splits hold at least one window of seq + 1 bytes."""
+    for name, part in (("train", corpus.train), ("validation", corpus.val)):
+        if part.size < seq + 2:
+            raise ValueError(f"{corpus.description}: the {name} split has {part.size} bytes, fewer than one window "
+                             f"of seq + 1 = {seq + 1}; use a larger file or a smaller --seq")
+
+
+def _windows(data: np.ndarray, starts: np.ndarray, seq: int) -> np.ndarray:
+    return data[starts[:, None] + np.arange(seq + 1)]
+
+
+def train_batch(corpus: Corpus, step: int, batch: int, seq: int, seed: int) -> np.ndarray:
+    """uint8 [batch, seq + 1]: random windows of the train split, a pure function of (seed, step)."""
+    starts = np.random.default_rng([seed, step]).integers(0, corpus.train.size - seq - 1, size=batch)
+    return _windows(corpus.train, starts, seq)
+
+
+def val_batches(corpus: Corpus, n: int, batch: int, seq: int) -> list[np.ndarray]:
+    """n uint8 [batch, seq + 1] batches of evenly spaced windows over the validation split (the same every call)."""
+    starts = np.linspace(0, corpus.val.size - seq - 1, n * batch).astype(np.int64)
+    return [_windows(corpus.val, s, seq) for s in starts.reshape(n, batch)]

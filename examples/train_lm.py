@@ -1,0 +1,403 @@
+"""Train a byte-level GPT whose attention projections and MLPs run through jax_fp4's quantized layers.
+
+    python examples/train_lm.py --compare --preset tiny --out runs/tiny          # every recipe, CPU: a few minutes
+    python examples/train_lm.py --recipe nvfp4 --preset small --steps 2000       # one recipe, one GPU
+    python examples/train_lm.py --recipe mxfp8 --data book.txt --resume --out runs/book
+
+The model (examples/lm_model.py): a pre-norm decoder with rotary positions; qkv, the attention output projection
+and the MLP are `jax_fp4.flax.nnx` layers (`LayerNormDense`, `Dense`, `LayerNormMLP`) following the recipe, the
+embedding, norms, attention scores and logits head stay bfloat16. AdamW (warmup + cosine, global-norm clipping) in
+one jitted train step. Data (examples/lm_data.py): the Python standard library's .py files (no download; split by
+file) or any --data FILE (split by contiguous region), byte tokens. `--compare` trains every recipe from the same
+initial weights on the same batches in the same order.
+
+Writes to --out DIR: curves.csv (step, recipe, train_loss, val_loss, tokens_per_s; rows of recipes not run now are
+kept), curves.png (the recipes' curves overlaid), summary.json, and checkpoints/<recipe>/ (Orbax: model, optimizer
+and rng state, step; every --ckpt-every steps and at the end; --resume continues from the latest). Prints a table
+of validation loss, bits per byte, the gap to bf16, tokens/s and step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fp4 import recipes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, also under python -P
+import lm_data  # noqa: E402
+import lm_model  # noqa: E402
+
+PRESETS = {
+    # tiny: two CPU cores, ~1 min per quantized recipe (mostly XLA compiling the bit-exact reference kernels)
+    "tiny": dict(d_model=64, layers=2, head_dim=32, seq=64, batch=8, steps=80, lr=3e-3, warmup=10, eval_every=20,
+                 eval_batches=4, log_every=5, ckpt_every=0, scan=False),
+    # small: one H100 GPU; sized so that --compare (5 recipes x 2000 steps) stays within about 8 minutes
+    "small": dict(d_model=384, layers=4, head_dim=64, seq=256, batch=32, steps=2000, lr=1e-3, warmup=100,
+                  eval_every=250, eval_batches=8, log_every=25, ckpt_every=1000, scan=True),
+}
+CSV_FIELDS = ("step", "recipe", "train_loss", "val_loss", "tokens_per_s")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    model: lm_model.ModelConfig
+    batch: int
+    steps: int
+    lr: float
+    warmup: int
+    eval_every: int
+    eval_batches: int
+    log_every: int
+    ckpt_every: int
+    seed: int
+
+    def resume_key(self) -> dict:
+        """What a checkpoint must agree on to be resumed (the rest, e.g. --steps, may change)."""
+        return {"model": dataclasses.asdict(self.model), "batch": self.batch, "lr": self.lr, "warmup": self.warmup,
+                "seed": self.seed}
+
+
+# ---- command line ----------------------------------------------------------------------------------------------------
+def _int_at_least(low):
+    def parse(s):
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {v}")
+        return v
+
+    return parse
+
+
+def _positive_float(s):
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {s}")
+    return v
+
+
+def _existing_file(s):
+    if not Path(s).is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {s}")
+    return Path(s)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Presets: " + "; ".join(
+        f"{k}: d_model {v['d_model']}, {v['layers']} layers, seq {v['seq']}, batch {v['batch']}, {v['steps']} steps"
+        for k, v in PRESETS.items()))
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--recipe", choices=sorted(recipes.RECIPES), default="nvfp4",
+                       help="the jax_fp4 training recipe of the quantized layers (default nvfp4)")
+    which.add_argument("--compare", action="store_true", help="train every recipe (bf16 first), same seed and data")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model and run size (default tiny)")
+    p.add_argument("--steps", type=_int_at_least(1), help="training steps per recipe (default: the preset's)")
+    p.add_argument("--batch", type=_int_at_least(1), help="sequences per batch (batch x seq: a multiple of 128)")
+    p.add_argument("--seq", type=_int_at_least(8), help="sequence length in bytes")
+    p.add_argument("--d-model", type=_int_at_least(64), help="model width (a multiple of 64)")
+    p.add_argument("--layers", type=_int_at_least(1), help="transformer blocks")
+    p.add_argument("--scan", action=argparse.BooleanOptionalAction,
+                   help="stack the blocks and nnx.scan over them (one compiled block; default: small yes, tiny no)")
+    p.add_argument("--lr", type=_positive_float, help="peak learning rate")
+    p.add_argument("--warmup", type=_int_at_least(0), help="linear warmup steps")
+    p.add_argument("--eval-every", type=_int_at_least(1), help="validate every N steps (and at the end)")
+    p.add_argument("--eval-batches", type=_int_at_least(1), help="validation batches per evaluation")
+    p.add_argument("--log-every", type=_int_at_least(1), help="a curves.csv row (train loss, tokens/s) every N steps")
+    p.add_argument("--ckpt-every", type=_int_at_least(0), help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--seed", type=int, default=0, help="initialization and data-order seed (default 0)")
+    p.add_argument("--data", type=_existing_file, help="train on this text file instead of the Python stdlib")
+    p.add_argument("--out", type=Path, help="output directory (default runs/<preset>)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoints in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def parse_args(argv=None):
+    """(args, RunConfig, recipe names); bad flags exit through argparse with a message."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    v = dict(PRESETS[args.preset])
+    for k in ("steps", "batch", "seq", "d_model", "layers", "lr", "warmup", "eval_every", "eval_batches", "log_every",
+              "ckpt_every", "scan"):
+        if getattr(args, k) is not None:
+            v[k] = getattr(args, k)
+    if (v["batch"] * v["seq"]) % 128:
+        parser.error(f"--batch {v['batch']} x --seq {v['seq']} = {v['batch'] * v['seq']} tokens per batch: must be a "
+                     "multiple of 128 (the quantized GEMMs block the token axis in the weight gradient)")
+    model = lm_model.ModelConfig(d_model=v["d_model"], n_layers=v["layers"],
+                                 n_heads=max(v["d_model"] // v["head_dim"], 1), seq=v["seq"], scan_layers=v["scan"])
+    for problem in model.validate():
+        parser.error(problem)
+    cfg = RunConfig(model=model, batch=v["batch"], steps=v["steps"], lr=v["lr"], warmup=v["warmup"],
+                    eval_every=v["eval_every"], eval_batches=v["eval_batches"], log_every=v["log_every"],
+                    ckpt_every=v["ckpt_every"], seed=args.seed)
+    args.out = args.out if args.out is not None else Path("runs") / args.preset
+    names = ["bf16"] + sorted(n for n in recipes.RECIPES if n != "bf16") if args.compare else [args.recipe]
+    if args.resume and not any(latest_step(args.out / "checkpoints" / n) is not None for n in names):
+        parser.error(f"--resume: no checkpoint of {', '.join(names)} under {args.out / 'checkpoints'}")
+    return args, cfg, names
+
+
+# ---- checkpoints (Orbax) ---------------------------------------------------------------------------------------------
+def _is_key(x):
+    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _saveable(state):
+    """The nnx state as a pure dict of arrays (typed PRNG keys, e.g. the stochastic-rounding streams, as raw data)."""
+    from flax import nnx
+
+    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, nnx.to_pure_dict(state))
+
+
+def _checkpointer(directory: Path):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(directory.absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=2))
+
+
+def latest_step(directory: Path):
+    """The step of the latest checkpoint in directory, or None."""
+    if not directory.is_dir():
+        return None
+    mgr = _checkpointer(directory)
+    try:
+        return mgr.latest_step()
+    finally:
+        mgr.close()
+
+
+def save_checkpoint(mgr, step: int, state, meta: dict):
+    import orbax.checkpoint as ocp
+
+    mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_saveable(state)), meta=ocp.args.JsonSave(meta)),
+             force=True)
+
+
+def restore_checkpoint(mgr, step: int, state):
+    """(state, meta) of the checkpoint at step; `state` (a fresh model's) gives the structure, dtypes and key impls."""
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    template = nnx.to_pure_dict(state)
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _saveable(state))
+    r = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                  meta=ocp.args.JsonRestore()))
+    pure = jax.tree.map(lambda t, v: jax.random.wrap_key_data(v, impl=jax.random.key_impl(t)) if _is_key(t) else v,
+                        template, r.state)
+    nnx.replace_by_pure_dict(state, pure)
+    return state, r.meta
+
+
+# ---- training --------------------------------------------------------------------------------------------------------
+def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, resume: bool = False,
+                 progress: bool = True):
+    """Train one recipe; returns (curve rows, summary dict). Checkpoints go to out/checkpoints/<name>."""
+    from tqdm.auto import tqdm
+
+    wall = time.perf_counter()
+    graphdef, state, train_step = lm_model.build(
+        cfg.model, recipes.by_name(name),
+        lm_model.OptConfig(lr=cfg.lr, warmup=cfg.warmup, steps=cfg.steps), cfg.seed)
+    tokens = cfg.batch * cfg.model.seq
+    val = lm_data.val_batches(corpus, cfg.eval_batches, cfg.batch, cfg.model.seq)
+
+    def evaluate(state):
+        # The training step's loss is that of the parameters before its update: run it on a copy of the state (the
+        # step donates its input) and drop the update. One compiled program per recipe instead of two (on the CPU a
+        # separate forward program costs as much XLA compile time as the whole step).
+        losses = [train_step(jax.tree.map(jnp.copy, state), b)[1] for b in val]
+        return float(np.mean([float(v) for v in losses]))
+
+    ckdir = out / "checkpoints" / name
+    rows, start, timed = [], 0, {"seconds": 0.0, "steps": 0}
+    if resume and latest_step(ckdir) is not None:
+        mgr = _checkpointer(ckdir)
+        state, meta = restore_checkpoint(mgr, mgr.latest_step(), state)
+        if meta["config"] != cfg.resume_key():
+            flat = lambda d: {**{k: v for k, v in d.items() if k != "model"}, **d["model"]}  # noqa: E731
+            old, new = flat(meta["config"]), flat(cfg.resume_key())
+            diff = ", ".join(f"{k} {old.get(k)} (now {new.get(k)})" for k in new if old.get(k) != new[k])
+            raise SystemExit(f"--resume: {ckdir} was written with {diff}; use the same preset and overrides, or "
+                             "another --out")
+        start, rows, timed = meta["step"], meta["rows"], meta["timed"]
+        print(f"{name}: resumed from {ckdir} at step {start}")
+    else:
+        shutil.rmtree(ckdir, ignore_errors=True)  # a fresh run replaces this recipe's old checkpoints
+        mgr = _checkpointer(ckdir)
+
+    bar = tqdm(total=cfg.steps, initial=min(start, cfg.steps), desc=f"{name:>19}", unit="step", disable=not progress,
+               dynamic_ncols=True, mininterval=0.5)
+    pending, interval, t0 = [], 0, None
+    for step in range(start, cfg.steps):
+        batch = lm_data.train_batch(corpus, step, cfg.batch, cfg.model.seq, cfg.seed)
+        state, loss = train_step(state, batch)
+        pending.append(loss)
+        bar.update(1)
+        if t0 is None:  # the first step in this process compiles: time from its end
+            loss.block_until_ready()
+            t0 = time.perf_counter()
+        else:
+            interval += 1
+        done = step + 1 == cfg.steps
+        log, ev = (step + 1) % cfg.log_every == 0 or done, (step + 1) % cfg.eval_every == 0 or done
+        ckpt = done or (cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0)
+        if not (log or ev or ckpt):
+            continue
+        train_loss = float(np.mean([float(v) for v in pending]))  # waits for the step
+        dt = time.perf_counter() - t0
+        timed["seconds"] += dt
+        timed["steps"] += interval
+        row = {"step": step + 1, "recipe": name, "train_loss": train_loss,
+               "val_loss": evaluate(state) if ev else None,
+               "tokens_per_s": interval * tokens / dt if interval else None}
+        rows.append(row)
+        if not math.isfinite(train_loss) and all(map(math.isfinite, (r["train_loss"] for r in rows[:-1]))):
+            bar.write(f"{name}: the training loss is {train_loss} at step {step + 1}")
+        bar.set_postfix({"loss": f"{train_loss:.3f}", **({"val": f"{row['val_loss']:.3f}"} if ev else {}),
+                         **({"tok/s": f"{row['tokens_per_s']:,.0f}"} if interval else {})}, refresh=False)
+        if ckpt:
+            save_checkpoint(mgr, step + 1, state,
+                            {"step": step + 1, "recipe": name, "config": cfg.resume_key(), "rows": list(rows),
+                             "timed": dict(timed)})  # copies: the save may finish in the background
+        pending, interval, t0 = [], 0, time.perf_counter()  # evaluation and checkpointing are not timed
+    bar.close()
+    mgr.wait_until_finished()
+    mgr.close()
+
+    last_val = next((r["val_loss"] for r in reversed(rows) if r["val_loss"] is not None), None)
+    if start >= cfg.steps:
+        print(f"{name}: the checkpoint is at step {start} >= --steps {cfg.steps}; nothing to train")
+    if last_val is None:
+        last_val = evaluate(state)
+    step_s = timed["seconds"] / timed["steps"] if timed["steps"] else math.nan
+    summary = {"recipe": name, "steps": max(start, cfg.steps), "val_loss": last_val,
+               "bits_per_byte": last_val / math.log(2), "tokens_per_s": tokens / step_s, "step_ms": 1e3 * step_s,
+               "wall_s": time.perf_counter() - wall}
+    return rows, summary
+
+
+# ---- outputs ---------------------------------------------------------------------------------------------------------
+def write_curves(out: Path, rows: list[dict], replaced: set[str]) -> list[dict]:
+    """Merge rows into out/curves.csv (rows of the recipes in `replaced` are dropped first); returns all rows."""
+    path = out / "curves.csv"
+    old = []
+    if path.is_file():
+        with path.open(newline="") as f:
+            old = [r for r in csv.DictReader(f) if r.get("recipe") not in replaced]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for r in old + rows:
+            w.writerow({k: ("" if r.get(k) is None else r[k]) for k in CSV_FIELDS})
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def plot_curves(out: Path, rows: list[dict], title: str):
+    """out/curves.png. Left: train loss (thin) and validation loss (markers) per recipe against the step; right: each
+    recipe's validation loss relative to bf16's at the same step (when bf16 is among the rows)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def curve(name, key):
+        pts = [(int(r["step"]), float(r[key])) for r in rows if r["recipe"] == name and r[key] not in ("", None)]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    names = list(dict.fromkeys(r["recipe"] for r in rows))
+    fig, (ax, gap) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=110)
+    ref = dict(zip(*curve("bf16", "val_loss"), strict=True)) if "bf16" in names else {}
+    for i, name in enumerate(names):
+        ax.plot(*curve(name, "train_loss"), color=f"C{i}", alpha=0.35, lw=1)
+        steps, val = curve(name, "val_loss")
+        ax.plot(steps, val, "o-", color=f"C{i}", ms=3, lw=1.5, label=name)
+        pts = [(s, 100 * (v / ref[s] - 1)) for s, v in zip(steps, val, strict=True) if s in ref]
+        if pts and name != "bf16":
+            gap.plot(*zip(*pts, strict=True), "o-", color=f"C{i}", ms=3, lw=1.5, label=name)
+    ax.set(xlabel="step", ylabel="loss (nats per byte)", title="validation (markers) and train (thin) loss")
+    gap.axhline(0.0, color="k", lw=0.8)
+    gap.set(xlabel="step", ylabel="validation loss vs bf16 (%)", title="gap to bf16")
+    for a in (ax, gap):
+        a.grid(alpha=0.3)
+    ax.legend()
+    if gap.lines[1:]:  # beyond the zero line
+        gap.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "curves.png")
+    plt.close(fig)
+
+
+def format_table(summaries: dict) -> str:
+    """Validation loss, bits per byte, the gap to bf16, tokens/s and step time (compiles, evaluations and checkpoints
+    left out) of each recipe, and its wall time (everything, compiles included)."""
+    ref = summaries.get("bf16", {}).get("val_loss")
+    lines = [f"{'recipe':<20} {'steps':>6} {'val loss':>9} {'bits/byte':>9} {'vs bf16':>8} {'tokens/s':>10} "
+             f"{'step ms':>8} {'wall s':>7}"]
+    for s in summaries.values():
+        gap = f"{100 * (s['val_loss'] / ref - 1):+.2f}%" if ref else "n/a"
+        tps = f"{s['tokens_per_s']:,.0f}" if math.isfinite(s["tokens_per_s"]) else "n/a"
+        ms = f"{s['step_ms']:.1f}" if math.isfinite(s["step_ms"]) else "n/a"
+        lines.append(f"{s['recipe']:<20} {s['steps']:>6} {s['val_loss']:>9.4f} {s['bits_per_byte']:>9.4f} {gap:>8} "
+                     f"{tps:>10} {ms:>8} {s['wall_s']:>7.1f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    """Run the CLI; returns {recipe: summary} of the recipes trained now."""
+    args, cfg, names = parse_args(argv)
+    try:
+        corpus = lm_data.load_text_file(args.data) if args.data else lm_data.load_stdlib()
+        lm_data.check_sizes(corpus, cfg.model.seq)
+    except (OSError, ValueError) as e:
+        make_parser().error(str(e))
+    args.out.mkdir(parents=True, exist_ok=True)
+    m = cfg.model
+    print(f"data: {corpus.description}")
+    print(f"model: {lm_model.count_params(m) / 1e6:.2f}M parameters, d_model {m.d_model}, "
+          f"{m.n_layers} block{'s' * (m.n_layers > 1)}"
+          f"{' (scanned)' if m.scan_layers else ''}, {m.n_heads} heads, seq {m.seq}, batch {cfg.batch} "
+          f"({cfg.batch * m.seq} tokens/step), {cfg.steps} steps; device: {jax.devices()[0]}")
+
+    rows, summaries = [], {}
+    for name in names:
+        r, summaries[name] = train_recipe(name, cfg, corpus, args.out, resume=args.resume,
+                                          progress=not args.no_progress)
+        rows += r
+    all_rows = write_curves(args.out, rows, set(names))
+    path = args.out / "summary.json"
+    merged = json.loads(path.read_text()) if path.is_file() else {}
+    merged.update(summaries)
+    path.write_text(json.dumps(merged, indent=1))
+    plot_curves(args.out, all_rows, f"byte-level GPT, d_model {m.d_model}, {m.n_layers} layers, seq {m.seq}, "
+                                    f"batch {cfg.batch}: {', '.join(dict.fromkeys(r['recipe'] for r in all_rows))}")
+    table = dict(summaries)
+    if "bf16" not in table and "bf16" in merged:  # the reference of the gap: bf16 of an earlier run into this --out
+        table = {"bf16": merged["bf16"], **table}
+    print()
+    print(format_table(table))
+    print(f"\ncurves: {args.out / 'curves.csv'}, {args.out / 'curves.png'}; checkpoints: {args.out / 'checkpoints'}")
+    return summaries
+
+
+if __name__ == "__main__":
+    main()

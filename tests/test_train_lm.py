@@ -1,0 +1,201 @@
+"""examples/train_lm.py (the byte-level GPT trained through jax_fp4.flax layers) on the CPU.
+
+* every recipe: a short run on the stdlib corpus in which the training loss falls (1 block, 20 steps; the XLA compile
+  of the bit-exact reference kernels dominates: ~2 s for bf16 up to ~30 s for nvfp4 / nvfp4-1x64);
+* every recipe starts from the same parameters for the same seed (what --compare relies on);
+* checkpoints: a state with stochastic-rounding rng streams survives save / restore bit for bit; a run stopped
+  after 3 steps and resumed to 6 ends in the same state and curve as a run of 6 steps; the output files;
+* bad flags exit through argparse with a message naming the problem;
+* the data splits: by file for the stdlib (deterministic, disjoint), by contiguous region for --data; batches are a
+  pure function of (seed, step).
+The BF16 recipe's `jax_fp4.flax.nnx.Dense` == `flax.nnx.Linear` bit for bit is tests/test_flax.py's
+test_nnx_bf16_dense_is_linear.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("optax")
+pytest.importorskip("orbax.checkpoint")
+pytest.importorskip("tqdm")
+pytest.importorskip("matplotlib")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import jax  # noqa: E402
+import lm_data  # noqa: E402
+import lm_model  # noqa: E402
+import train_lm  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jax_fp4 import NVFP4 as NVFP4Format  # noqa: E402
+from jax_fp4 import recipes  # noqa: E402
+
+# 1 block of d_model 64, 4 x 32 = 128 tokens per step: the smallest model the quantized GEMMs' blocks allow.
+FAST = ["--preset", "tiny", "--layers", "1", "--batch", "4", "--seq", "32", "--lr", "1e-2", "--warmup", "2",
+        "--log-every", "1", "--eval-every", "1000", "--eval-batches", "1", "--no-progress"]
+
+
+def _rows(out: Path):
+    with (out / "curves.csv").open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _bits_equal_trees(a, b):
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    assert ta == tb
+    for u, v in zip(la, lb, strict=True):
+        u, v = np.atleast_1d(np.asarray(u)), np.atleast_1d(np.asarray(v))
+        assert u.dtype == v.dtype and u.shape == v.shape and np.array_equal(u.view(np.uint8), v.view(np.uint8))
+
+
+@pytest.mark.parametrize("recipe", sorted(recipes.RECIPES))
+def test_loss_falls(tmp_path, recipe):
+    summary = train_lm.main([*FAST, "--recipe", recipe, "--steps", "20", "--out", str(tmp_path)])[recipe]
+    losses = [float(r["train_loss"]) for r in _rows(tmp_path)]
+    assert len(losses) == 20 and np.all(np.isfinite(losses)), losses
+    first, last = np.mean(losses[:3]), np.mean(losses[-3:])
+    assert last < first - 0.5, (first, last, losses)  # ~5.5 (uniform over 256 bytes) -> ~3.5 nats
+    assert np.isfinite(summary["val_loss"]) and summary["val_loss"] < first
+    assert summary["bits_per_byte"] == pytest.approx(summary["val_loss"] / np.log(2))
+
+
+def test_recipes_start_from_the_same_parameters():
+    cfg = lm_model.ModelConfig(d_model=64, n_layers=2, n_heads=2, seq=32)
+    params = [nnx.state(lm_model.make_model(cfg, recipes.by_name(n), seed=3), nnx.Param) for n in recipes.RECIPES]
+    for p in params[1:]:
+        _bits_equal_trees(p, params[0])
+
+
+def test_scan_layers():
+    """--scan (the small preset's default): stacked blocks under nnx.scan compute what the unrolled blocks compute
+    with the same parameters, and each layer keeps its own stochastic-rounding stream, advanced once per step."""
+    cfg = lm_model.ModelConfig(d_model=64, n_layers=2, n_heads=2, seq=32)
+    scfg = lm_model.ModelConfig(d_model=64, n_layers=2, n_heads=2, seq=32, scan_layers=True)
+    unrolled, scanned = lm_model.make_model(cfg, recipes.BF16(), 0), lm_model.make_model(scfg, recipes.BF16(), 0)
+    p = nnx.to_pure_dict(nnx.state(unrolled, nnx.Param))
+    p["blocks"] = jax.tree.map(lambda *layers: np.stack(layers), *(p["blocks"][i] for i in range(cfg.n_layers)))
+    nnx.update(scanned, p)
+    batch = lm_data.train_batch(lm_data.Corpus(np.arange(4096, dtype=np.uint8), np.zeros(64, np.uint8), ""), 0, 4,
+                                32, seed=0)
+    loss = nnx.jit(lm_model.loss_fn)
+    np.testing.assert_allclose(loss(scanned, batch), loss(unrolled, batch), rtol=2e-3)
+
+    # A recipe with stochastic rounding (of dy in dgrad only: a cheap compile) keeps one stream per layer, stacked
+    # [n_layers]; each scanned layer draws from its own, once per call.
+    sr = recipes.Recipe("sr-dgrad", dgrad_dy=NVFP4Format(stochastic_rounding=True), dgrad_w=NVFP4Format())
+    model = lm_model.make_model(scfg, sr, 0)
+    for _ in range(2):
+        assert np.isfinite(float(loss(model, batch)))
+    streams = nnx.to_pure_dict(nnx.state(model, nnx.RngState))["blocks"]["out"]["rngs"]
+    np.testing.assert_array_equal(streams["count"], [2, 2])
+    k = jax.random.key_data(streams["key"])
+    assert k.shape == (2, 2) and not np.array_equal(k[0], k[1])
+
+
+def test_checkpoint_roundtrip_with_rng_streams(tmp_path):
+    """nvfp4 keeps a stochastic-rounding rng stream (typed key + counter) per layer; all of it is saved and restored."""
+    cfg = lm_model.ModelConfig(d_model=64, n_layers=1, n_heads=2, seq=32)
+    _, state, _ = lm_model.build(cfg, recipes.NVFP4(), lm_model.OptConfig(), seed=1)
+    # advance the rng counters so that restoring them is visible
+    state = jax.tree.map(lambda x: x + 5 if x.dtype == np.uint32 and x.ndim == 0 else x, state)
+    mgr = train_lm._checkpointer(tmp_path / "ck")
+    train_lm.save_checkpoint(mgr, 7, state, {"step": 7, "rows": []})
+    mgr.wait_until_finished()
+    _, fresh, _ = lm_model.build(cfg, recipes.NVFP4(), lm_model.OptConfig(), seed=2)
+    restored, meta = train_lm.restore_checkpoint(mgr, mgr.latest_step(), fresh)
+    assert meta == {"step": 7, "rows": []}
+    assert sum(map(train_lm._is_key, jax.tree.leaves(restored))) == 4  # qkv, out, up, down: typed keys again
+    raw = lambda tree: jax.tree.map(lambda x: jax.random.key_data(x) if train_lm._is_key(x) else x, tree)  # noqa: E731
+    _bits_equal_trees(raw(restored), raw(state))
+
+
+def test_resume_equals_uninterrupted(tmp_path, capsys):
+    flags = [*FAST, "--recipe", "bf16", "--eval-every", "3"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    train_lm.main([*flags, "--steps", "6", "--out", str(a)])
+    train_lm.main([*flags, "--steps", "3", "--out", str(b)])
+    summary = train_lm.main([*flags, "--steps", "6", "--out", str(b), "--resume"])["bf16"]
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "vs bf16" in out and "bits/byte" in out
+
+    cfg = lm_model.ModelConfig(d_model=64, n_layers=1, n_heads=2, seq=32)
+    states = []
+    for d in (a, b):
+        mgr = train_lm._checkpointer(d / "checkpoints" / "bf16")
+        assert mgr.latest_step() == 6
+        _, template, _ = lm_model.build(cfg, recipes.BF16(), lm_model.OptConfig(), seed=0)
+        states.append(train_lm.restore_checkpoint(mgr, 6, template)[0])
+    _bits_equal_trees(*states)
+
+    ra, rb = _rows(a), _rows(b)
+    assert [r["step"] for r in rb] == [str(s) for s in range(1, 7)]
+    for key in ("step", "recipe", "train_loss", "val_loss"):
+        assert [r[key] for r in ra] == [r[key] for r in rb]
+    assert [bool(r["val_loss"]) for r in rb] == [False, False, True, False, False, True]
+    assert summary["val_loss"] == pytest.approx(float(rb[-1]["val_loss"]))
+    assert set(json.loads((b / "summary.json").read_text())) == {"bf16"}
+    assert (b / "curves.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--steps", "0"], "--steps: must be an integer >= 1"),
+    (["--steps", "ten"], "--steps: 'ten' is not an integer"),
+    (["--recipe", "fp2"], "--recipe: invalid choice: 'fp2'"),
+    (["--recipe", "bf16", "--compare"], "not allowed with argument"),
+    (["--data", "/nonexistent/corpus.txt"], "--data: no such file"),
+    (["--batch", "3", "--seq", "32"], "must be a multiple of 128"),
+    (["--d-model", "96"], "d_model 96 must be a multiple of 64"),
+    (["--lr", "-1"], "--lr: must be a positive number"),
+    (["--preset", "huge"], "--preset: invalid choice"),
+])
+def test_bad_flags(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        train_lm.parse_args(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_resume_without_checkpoint(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(["--resume", "--out", str(tmp_path)])
+    assert "--resume: no checkpoint" in capsys.readouterr().err
+
+
+def test_data_file_too_small(tmp_path, capsys):
+    f = tmp_path / "short.txt"
+    f.write_text("hello world\n" * 10)
+    with pytest.raises(SystemExit):
+        train_lm.main(["--data", str(f), "--out", str(tmp_path / "out")])
+    assert "fewer than one window" in capsys.readouterr().err
+
+
+def test_data_splits(tmp_path):
+    files = lm_data.stdlib_files()
+    assert files == lm_data.stdlib_files() and len(set(files)) == len(files) > 100
+    assert not any(part in ("site-packages", "dist-packages") for f in files for part in f.parts)
+    val = [f for f in files if lm_data.is_validation_file(f)]
+    assert 0.05 < len(val) / len(files) < 0.15
+    assert not lm_data.is_validation_file(Path("os.py")) and lm_data.is_validation_file(Path("random.py"))
+
+    f = tmp_path / "text.txt"
+    f.write_bytes(bytes(range(256)) * 40)
+    c = lm_data.load_text_file(f)
+    assert c.train.size + c.val.size == 10240 and c.val.size == 1024
+    np.testing.assert_array_equal(np.concatenate([c.train, c.val]), np.frombuffer(f.read_bytes(), np.uint8))
+
+    b1, b2 = lm_data.train_batch(c, 5, 4, 32, seed=0), lm_data.train_batch(c, 5, 4, 32, seed=0)
+    assert b1.shape == (4, 33) and b1.dtype == np.uint8
+    np.testing.assert_array_equal(b1, b2)
+    assert not np.array_equal(b1, lm_data.train_batch(c, 6, 4, 32, seed=0))
+    v = lm_data.val_batches(c, 2, 4, 32)
+    assert len(v) == 2 and all(x.shape == (4, 33) for x in v)
