@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_fp4.dense import RESIDUAL_NAMES
+from jax_fp4.dense import RESIDUAL_NAMES, _dtype_tag, _keys
 from jax_fp4.gemm import exact_operand
 from jax_fp4.grouped import grouped_dequantize, grouped_quantize_rowwise_columnwise
 from jax_fp4.grouped_array import GroupedQuantizedArray
@@ -98,10 +98,6 @@ def _product(a, b, group_sizes, dims):
     return out
 
 
-def _keys(key):
-    return (None, None, None) if key is None else tuple(jax.random.split(key, 3))
-
-
 def _grouped_pair(a, group_sizes, row_fmt, col_fmt, key):
     """(rowwise, columnwise) grouped quantizations of a [T, C] over the token groups; `a` where not quantized."""
     if row_fmt is None and col_fmt is None:
@@ -122,10 +118,6 @@ def _weight_pair(w, row_fmt, col_fmt, key):
 
     row, col = jax.vmap(one)(w, keys) if keys is not None else jax.vmap(lambda wg: one(wg, None))(w)
     return (w if row is None else row), (w if col is None else col)
-
-
-def _dtype_tag(a):
-    return jnp.zeros((0,), a.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
