@@ -16,6 +16,21 @@ recipe starts from the same weights for the same seed; recipes with stochastic r
 
 Block constraints of the quantized GEMMs: d_model and the MLP width multiples of 64 and the tokens per batch
 (batch x seq) a multiple of 128 (MXFP8 blocks of 32 along every GEMM axis, NVFP4 16x16 weight blocks, the RHT's 16).
+
+Parallelism (``mesh``: a `jax.sharding.Mesh` with axes ("data", "tensor"); None = one device, nothing annotated):
+  * data parallel: the batch is sharded over "data" (`batch_sharding`), parameters and optimizer state replicated
+    over it; XLA all-reduces the weight gradients.
+  * tensor parallel (Megatron): the qkv and MLP-up kernels [in, out] (and their biases) are split by columns over
+    "tensor", the attention-output and MLP-down kernels by rows (`nnx.with_partitioning` annotations, which the
+    optimizer state inherits); q, k and v are constrained to heads split over "tensor", so attention runs per head
+    shard and its output enters the row-split projection already split along its input features. The fused qkv
+    kernel keeps its [q | k | v] column order (the single-device model is unchanged), so a column shard holds a
+    contiguous slice of [q | k | v] rather than the q, k and v of its heads: XLA moves the misplaced heads between
+    tensor shards (collective-permute / all-to-all; a third of the qkv activation with 2 tensor shards, in fprop and
+    again for its gradient). A head-major column order would avoid that, at the price of another model.
+  Embedding, norms and logits head stay replicated. The jax_fp4 primitives partition themselves (custom_partitioning):
+  quantize runs per shard with the tensor amax reduced across shards, so every quantized operand equals the
+  unsharded one. `make_train_step(graphdef, state, mesh)` jits the step with these in / out shardings.
 """
 
 from __future__ import annotations
@@ -27,11 +42,14 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_fp4.flax import nnx as fnnx
 from jax_fp4.recipes import BF16, Recipe
 
 VOCAB = 256  # byte-level tokens
+DATA, TENSOR = "data", "tensor"  # mesh axis names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,22 +89,38 @@ def rope(x, base):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-class Block(nnx.Module):
-    """Pre-norm transformer block: x + out(attention(qkv(LN(x)))), then x + MLP(LN(x))."""
+def _annotate(init, spec, mesh):
+    """init with the mesh axes of its dimensions attached (`nnx.with_partitioning`), or init itself without a mesh."""
+    return init if mesh is None else nnx.with_partitioning(init, spec, mesh=mesh)
 
-    def __init__(self, cfg: ModelConfig, recipe: Recipe, rngs: nnx.Rngs, dtype=jnp.bfloat16):
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: x + out(attention(qkv(LN(x)))), then x + MLP(LN(x)).
+
+    mesh: None, or a Mesh with axes ("data", "tensor"): qkv and MLP-up split by columns, out and MLP-down by rows
+    over "tensor", q / k / v by heads (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, recipe: Recipe, rngs: nnx.Rngs, dtype=jnp.bfloat16, mesh=None):
         d = cfg.d_model
         self.cfg = cfg
-        self.qkv = fnnx.LayerNormDense(d, 3 * d, recipe=recipe, dtype=dtype, rngs=rngs)
+        col = dict(kernel_init=_annotate(fnnx.default_kernel_init, (None, TENSOR), mesh),
+                   bias_init=_annotate(fnnx.default_bias_init, (TENSOR,), mesh))
+        self.qkv = fnnx.LayerNormDense(d, 3 * d, recipe=recipe, dtype=dtype, rngs=rngs, **col)
         # GPT-2 style: the residual projections start smaller (std / sqrt(2 * n_layers)).
         small = nnx.initializers.variance_scaling(1.0 / (2 * cfg.n_layers), "fan_in", "truncated_normal")
-        self.out = fnnx.Dense(d, d, recipe=recipe, dtype=dtype, kernel_init=small, rngs=rngs)
-        self.mlp = fnnx.LayerNormMLP(d, cfg.mlp_ratio * d, recipe=recipe, activation="gelu", dtype=dtype, rngs=rngs)
+        self.out = fnnx.Dense(d, d, recipe=recipe, dtype=dtype, kernel_init=_annotate(small, (TENSOR, None), mesh),
+                              rngs=rngs)
+        self.mlp = fnnx.LayerNormMLP(d, cfg.mlp_ratio * d, recipe=recipe, activation="gelu", dtype=dtype, rngs=rngs,
+                                     down_kernel_init=_annotate(fnnx.default_kernel_init, (TENSOR, None), mesh),
+                                     down_bias_init=fnnx.default_bias_init, **col)
+        self.heads = None if mesh is None else NamedSharding(mesh, P(DATA, None, TENSOR, None))  # [B, T, H, Dh]
 
     def __call__(self, x):
         b, t, d = x.shape
         h, dh = self.cfg.n_heads, self.cfg.head_dim
         q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * h, dh), 3, axis=2)
+        if self.heads is not None:
+            q, k, v = (jax.lax.with_sharding_constraint(a, self.heads) for a in (q, k, v))
         q, k = rope(q, self.cfg.rope_base), rope(k, self.cfg.rope_base)
         a = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [B, T, H, Dh], bfloat16
         x = x + self.out(a.reshape(b, t, d))
@@ -96,7 +130,7 @@ class Block(nnx.Module):
 class GPT(nnx.Module):
     """Decoder-only language model: tokens int32 [B, T] -> logits float32 [B, T, vocab]."""
 
-    def __init__(self, cfg: ModelConfig, recipe: Recipe, rngs: nnx.Rngs, dtype=jnp.bfloat16):
+    def __init__(self, cfg: ModelConfig, recipe: Recipe, rngs: nnx.Rngs, dtype=jnp.bfloat16, mesh=None):
         self.cfg = cfg
         self.recipe = recipe
         self.embed = nnx.Embed(cfg.vocab, cfg.d_model, dtype=dtype,
@@ -104,13 +138,13 @@ class GPT(nnx.Module):
 
         if cfg.scan_layers:  # parameters [n_layers, ...], each layer with its own init draws and rng streams
             @nnx.split_rngs(splits=cfg.n_layers)
-            @nnx.vmap(in_axes=(0,), out_axes=0)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=_LAYER_AXIS)
             def stacked(rngs):
-                return Block(cfg, recipe, rngs, dtype)
+                return Block(cfg, recipe, rngs, dtype, mesh)
 
             self.blocks = stacked(rngs)
         else:
-            self.blocks = nnx.List([Block(cfg, recipe, rngs, dtype) for _ in range(cfg.n_layers)])
+            self.blocks = nnx.List([Block(cfg, recipe, rngs, dtype, mesh) for _ in range(cfg.n_layers)])
         self.norm = nnx.LayerNorm(cfg.d_model, epsilon=1e-6, dtype=dtype, rngs=rngs)
         self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, dtype=dtype, rngs=rngs)
 
@@ -124,13 +158,17 @@ class GPT(nnx.Module):
         return self.head(self.norm(x)).astype(jnp.float32)
 
 
-@nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+_LAYER_AXIS = {nnx.PARTITION_NAME: None}  # the stacked layer axis: unsharded (inserted into the sharding annotations)
+
+
+@nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_LAYER_AXIS)
 def _scan_blocks(x, block):
     return block(x)
 
 
-def make_model(cfg: ModelConfig, recipe: Recipe, seed: int) -> GPT:
-    return GPT(cfg, recipe, nnx.Rngs(params=seed, quantize=seed + 1))
+def make_model(cfg: ModelConfig, recipe: Recipe, seed: int, mesh=None) -> GPT:
+    """A fresh GPT; with a mesh its parameters are created sharded (the same values as without)."""
+    return GPT(cfg, recipe, nnx.Rngs(params=seed, quantize=seed + 1), mesh=mesh)
 
 
 def loss_fn(model: GPT, batch):
@@ -165,11 +203,65 @@ def make_optimizer(o: OptConfig) -> optax.GradientTransformation:
                        optax.adamw(schedule, b1=0.9, b2=o.b2, weight_decay=o.weight_decay, mask=decay_mask))
 
 
-def make_train_step(graphdef):
+def make_mesh(data: int, tensor: int):
+    """A (data, tensor) `jax.sharding.Mesh` over the first data * tensor devices (Auto axes: XLA propagates the
+    annotations; jax.make_mesh's device order suits the interconnect)."""
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    return jax.make_mesh((data, tensor), (DATA, TENSOR), axis_types=auto, devices=jax.devices()[:data * tensor])
+
+
+def mesh_problems(cfg: ModelConfig, batch: int, data: int, tensor: int) -> list[str]:
+    """Why a (data, tensor) mesh does not suit this model and batch (empty when it does): the batch splits over
+    "data" and every data shard keeps whole 128-token blocks; the heads (hence qkv, the attention output and the MLP)
+    split over "tensor" in slices of whole 32-element MXFP8 blocks (NVFP4 1x64 windows of 64 may straddle shards:
+    then quantize gathers that axis, see `mesh_notes`)."""
+    errs = []
+    if batch % data:
+        errs.append(f"--batch {batch} does not split over the data axis ({data})")
+    elif (batch // data * cfg.seq) % 128:
+        errs.append(f"{batch // data} sequences x seq {cfg.seq} = {batch // data * cfg.seq} tokens per data shard: "
+                    "must be a multiple of 128 (the quantized GEMMs' blocks along the token axis must not straddle "
+                    "shards)")
+    if cfg.n_heads % tensor:
+        errs.append(f"the {cfg.n_heads} attention heads (d_model {cfg.d_model} / head size {cfg.head_dim}) do not "
+                    f"split over the tensor axis ({tensor})")
+    elif (cfg.d_model // tensor) % 32:
+        errs.append(f"d_model {cfg.d_model} / tensor {tensor} = {cfg.d_model // tensor} features per shard: must be a "
+                    "multiple of 32 (MXFP8 blocks must not straddle shards)")
+    return errs
+
+
+def mesh_notes(cfg: ModelConfig, recipe: Recipe, tensor: int) -> list[str]:
+    """Tensor-split widths that the recipe's quantize must gather on this mesh (correct results, an all-gather per
+    use): NVFP4 1x64 windows of 64 that would straddle shards."""
+    local_1x64 = any(getattr(f, "local_1x64", False) for f in recipe.formats())
+    widths = {"the attention output's input features": cfg.d_model // tensor,
+              "the qkv kernel's columns": 3 * cfg.d_model // tensor,
+              "the MLP's hidden features": cfg.mlp_ratio * cfg.d_model // tensor}
+    split = [f"{name} ({n} per shard)" for name, n in widths.items() if n % 64]
+    if local_1x64 and tensor > 1 and split:
+        return [f"{recipe.name}: quantize gathers {', '.join(split)}: not a multiple of the 64-element 1x64 windows"]
+    return []
+
+
+def batch_sharding(mesh):
+    """The sharding of a token batch [B, T + 1]: B split over "data"."""
+    return NamedSharding(mesh, P(DATA, None))
+
+
+def state_shardings(state, mesh):
+    """NamedShardings of an nnx state from its variables' annotations (unannotated: replicated)."""
+    return nnx.get_named_sharding(state, mesh)
+
+
+def make_train_step(graphdef, state=None, mesh=None):
     """train_step(state, batch) -> (state, loss): ONE jax.jit of forward, backward (quantized GEMMs per the recipe,
     fresh stochastic-rounding keys from the layers' rng streams, whose counters live in `state`), clipping and the
     AdamW update, on the functional state (model, optimizer) of `nnx.split`. The loss is that of the parameters before
-    the update; the input state's buffers are donated."""
+    the update; the input state's buffers are donated.
+
+    With a mesh, the step is jitted with in / out shardings: `state` (an example state, for its annotations) keeps
+    `state_shardings`, the batch `batch_sharding`, the loss is replicated."""
 
     def train(state, batch):
         model, opt = nnx.merge(graphdef, state)
@@ -177,15 +269,22 @@ def make_train_step(graphdef):
         opt.update(model, grads)
         return nnx.state((model, opt)), loss
 
-    return jax.jit(train, donate_argnums=0)
+    if mesh is None:
+        return jax.jit(train, donate_argnums=0)
+    shardings = state_shardings(state, mesh)
+    return jax.jit(train, in_shardings=(shardings, batch_sharding(mesh)),
+                   out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
 
 
-def build(cfg: ModelConfig, recipe: Recipe, opt_cfg: OptConfig, seed: int):
-    """(graphdef, state, train_step) of a fresh model and its AdamW state."""
-    model = make_model(cfg, recipe, seed)
+def build(cfg: ModelConfig, recipe: Recipe, opt_cfg: OptConfig, seed: int, mesh=None):
+    """(graphdef, state, train_step) of a fresh model and its AdamW state; with a mesh, the state is placed on it
+    (see make_train_step) and the step is the sharded one."""
+    model = make_model(cfg, recipe, seed, mesh)
     opt = nnx.Optimizer(model, make_optimizer(opt_cfg), wrt=nnx.Param)
     graphdef, state = nnx.split((model, opt))
-    return graphdef, state, make_train_step(graphdef)
+    if mesh is not None:
+        state = jax.device_put(state, state_shardings(state, mesh))
+    return graphdef, state, make_train_step(graphdef, state, mesh)
 
 
 def count_params(cfg: ModelConfig) -> int:

@@ -3,6 +3,7 @@
     python examples/train_lm.py --compare --preset tiny --out runs/tiny          # every recipe, CPU: a few minutes
     python examples/train_lm.py --recipe nvfp4 --preset small --steps 2000       # one recipe, one GPU
     python examples/train_lm.py --recipe mxfp8 --data book.txt --resume --out runs/book
+    python examples/train_lm.py --compare --preset small --mesh 2x1      # 2 GPUs, data parallel (1x2: tensor)
 
 The model (examples/lm_model.py): a pre-norm decoder with rotary positions; qkv, the attention output projection
 and the MLP are `jax_fp4.flax.nnx` layers (`LayerNormDense`, `Dense`, `LayerNormMLP`) following the recipe, the
@@ -10,6 +11,12 @@ embedding, norms, attention scores and logits head stay bfloat16. AdamW (warmup 
 one jitted train step. Data (examples/lm_data.py): the Python standard library's .py files (no download; split by
 file) or any --data FILE (split by contiguous region), byte tokens. `--compare` trains every recipe from the same
 initial weights on the same batches in the same order.
+
+--mesh DATAxTENSOR (e.g. 2x1, 1x2, 2x4; the product = the device count) runs the step on a (data, tensor) mesh:
+the batch split over "data", and Megatron-style tensor parallelism over "tensor" (qkv and MLP-up kernels split by
+columns, attention-output and MLP-down kernels by rows, attention by heads); see examples/lm_model.py. The jax_fp4
+quantize primitives run per shard with the tensor amaxes reduced across shards. Without --mesh: one device, as before.
+Checkpoints hold global arrays: a run may resume on another mesh.
 
 Writes to --out DIR: curves.csv (step, recipe, train_loss, val_loss, tokens_per_s; rows of recipes not run now are
 kept), curves.png (the recipes' curves overlaid), summary.json, and checkpoints/<recipe>/ (Orbax: model, optimizer
@@ -24,6 +31,7 @@ import csv
 import dataclasses
 import json
 import math
+import re
 import shutil
 import sys
 import time
@@ -62,6 +70,7 @@ class RunConfig:
     log_every: int
     ckpt_every: int
     seed: int
+    mesh: tuple[int, int] | None = None  # (data, tensor); None: one device
 
     def resume_key(self) -> dict:
         """What a checkpoint must agree on to be resumed (the rest, e.g. --steps, may change)."""
@@ -93,6 +102,13 @@ def _positive_float(s):
     return v
 
 
+def _mesh_shape(s):
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", s)
+    if not m or min(int(m[1]), int(m[2])) < 1:
+        raise argparse.ArgumentTypeError(f"{s!r} is not DATAxTENSOR with positive sizes, e.g. 2x1, 1x2 or 2x4")
+    return int(m[1]), int(m[2])
+
+
 def _existing_file(s):
     if not Path(s).is_file():
         raise argparse.ArgumentTypeError(f"no such file: {s}")
@@ -121,6 +137,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=_int_at_least(1), help="validation batches per evaluation")
     p.add_argument("--log-every", type=_int_at_least(1), help="a curves.csv row (train loss, tokens/s) every N steps")
     p.add_argument("--ckpt-every", type=_int_at_least(0), help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--mesh", type=_mesh_shape, metavar="DATAxTENSOR",
+                   help="shard the step over a data x tensor device mesh, e.g. 2x1 (data parallel), 1x2 (tensor "
+                        "parallel), 2x4; data x tensor must equal the device count (default: one device)")
     p.add_argument("--seed", type=int, default=0, help="initialization and data-order seed (default 0)")
     p.add_argument("--data", type=_existing_file, help="train on this text file instead of the Python stdlib")
     p.add_argument("--out", type=Path, help="output directory (default runs/<preset>)")
@@ -145,9 +164,17 @@ def parse_args(argv=None):
                                  n_heads=max(v["d_model"] // v["head_dim"], 1), seq=v["seq"], scan_layers=v["scan"])
     for problem in model.validate():
         parser.error(problem)
+    if args.mesh is not None:
+        data, tensor = args.mesh
+        for problem in lm_model.mesh_problems(model, v["batch"], data, tensor):
+            parser.error(f"--mesh {data}x{tensor}: {problem}")
+        devices = jax.devices()
+        if data * tensor != len(devices):
+            parser.error(f"--mesh {data}x{tensor} needs data x tensor = {data * tensor} devices; there are "
+                         f"{len(devices)} ({devices[0].platform}): the product must equal the device count")
     cfg = RunConfig(model=model, batch=v["batch"], steps=v["steps"], lr=v["lr"], warmup=v["warmup"],
                     eval_every=v["eval_every"], eval_batches=v["eval_batches"], log_every=v["log_every"],
-                    ckpt_every=v["ckpt_every"], seed=args.seed)
+                    ckpt_every=v["ckpt_every"], seed=args.seed, mesh=args.mesh)
     args.out = args.out if args.out is not None else Path("runs") / args.preset
     names = ["bf16"] + sorted(n for n in recipes.RECIPES if n != "bf16") if args.compare else [args.recipe]
     if args.resume and not any(latest_step(args.out / "checkpoints" / n) is not None for n in names):
@@ -213,9 +240,12 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     from tqdm.auto import tqdm
 
     wall = time.perf_counter()
+    recipe = recipes.by_name(name)
+    mesh = lm_model.make_mesh(*cfg.mesh) if cfg.mesh is not None else None
+    for note in lm_model.mesh_notes(cfg.model, recipe, cfg.mesh[1]) if cfg.mesh is not None else []:
+        print(f"note: {note}")
     graphdef, state, train_step = lm_model.build(
-        cfg.model, recipes.by_name(name),
-        lm_model.OptConfig(lr=cfg.lr, warmup=cfg.warmup, steps=cfg.steps), cfg.seed)
+        cfg.model, recipe, lm_model.OptConfig(lr=cfg.lr, warmup=cfg.warmup, steps=cfg.steps), cfg.seed, mesh)
     tokens = cfg.batch * cfg.model.seq
     val = lm_data.val_batches(corpus, cfg.eval_batches, cfg.batch, cfg.model.seq)
 
@@ -376,7 +406,10 @@ def main(argv=None) -> dict:
     print(f"model: {lm_model.count_params(m) / 1e6:.2f}M parameters, d_model {m.d_model}, "
           f"{m.n_layers} block{'s' * (m.n_layers > 1)}"
           f"{' (scanned)' if m.scan_layers else ''}, {m.n_heads} heads, seq {m.seq}, batch {cfg.batch} "
-          f"({cfg.batch * m.seq} tokens/step), {cfg.steps} steps; device: {jax.devices()[0]}")
+          f"({cfg.batch * m.seq} tokens/step), {cfg.steps} steps; " + (
+              f"device: {jax.devices()[0]}" if cfg.mesh is None else
+              f"mesh: data {cfg.mesh[0]} x tensor {cfg.mesh[1]} over {len(jax.devices())} devices "
+              f"({jax.devices()[0].device_kind})"))
 
     rows, summaries = [], {}
     for name in names:

@@ -1,8 +1,10 @@
-"""Public quantize / dequantize (ops layer).
+"""Public quantize / dequantize / scale-layout conversions (ops layer).
 
 `quantize` and `quantize_rowwise_columnwise` view x as [P, M, K] around the block axis and bind the `jf4_quantize`
 primitive (CUDA kernel where built, the bit-exact reference elsewhere), after an amax pass (`tensor_amax`, or
-`rht_amax` for RHT operands) for formats with a tensor scale.
+`rht_amax` for RHT operands) for formats with a tensor scale. `dequantize` binds `jf4_dequantize` on the
+QuantizedArray's [P, R, C] view; `swizzle_scales` / `unswizzle_scales` bind `jf4_swizzle` / `jf4_unswizzle` on the
+2-D scale matrix.
 """
 
 from __future__ import annotations
@@ -14,10 +16,14 @@ import jax.numpy as jnp
 
 from jax_fp4 import reference
 from jax_fp4._src.primitives.amax import tensor_amax
+from jax_fp4._src.primitives.dequantize import dequantize_array
 from jax_fp4._src.primitives.quantize import quantize_3d
 from jax_fp4._src.primitives.rht_amax import rht_amax
+from jax_fp4._src.primitives.swizzle import swizzle as _swizzle
+from jax_fp4._src.primitives.swizzle import unswizzle as _unswizzle
 from jax_fp4.formats import NVFP4, Format
 from jax_fp4.quantized_array import SCALE_LAYOUTS, QuantizedArray
+from jax_fp4.reference import layout
 from jax_fp4.reference.sr import philox_key
 
 __all__ = ["quantize", "quantize_rowwise_columnwise", "dequantize", "swizzle_scales", "unswizzle_scales"]
@@ -35,6 +41,8 @@ def _amax(x, x3, fmt, orientation):
     P = x3.shape[0]
     if not isinstance(fmt, NVFP4) or fmt.local_1x64:
         return jnp.zeros((P,), jnp.float32)
+    if P == 0:  # nothing to encode (and nothing to reduce over)
+        return jnp.zeros((0,), jnp.float32)
     a = jnp.max(rht_amax(x3, orientation)) if fmt.rht else tensor_amax(x)
     return jnp.broadcast_to(a, (P,))
 
@@ -46,7 +54,10 @@ def _key_words(fmt, key):
 
 
 def _scalar_amax(fmt, amax):
-    return amax[0] if isinstance(fmt, NVFP4) and not fmt.local_1x64 else None
+    """The scalar tensor amax from _amax's float32[P] (all equal; 0, the amax of nothing, when P == 0)."""
+    if not isinstance(fmt, NVFP4) or fmt.local_1x64:
+        return None
+    return amax[0] if amax.shape[0] else jnp.zeros((), jnp.float32)
 
 
 def _wamax(fmt, w, shape):
@@ -174,34 +185,45 @@ def _same_amax(row_fmt, col_fmt):
 def _compact_scale(q: QuantizedArray):
     if q.scale_layout == "compact":
         return q.scale
-    return reference.unswizzle_scales(q.scale, q.fmt, q.compact_scale_shape(), q.axis)
+    block_last = q.fmt.stores_block_axis_last
+    m = _unswizzle(q.scale, *q.fmt.scale_matrix_shape(q.shape, q.axis))
+    return layout.from_scale_matrix(m, q.compact_scale_shape(), q.axis, block_last)
 
 
 def dequantize(q: QuantizedArray, dtype=jnp.float32):
     """Dequantize a QuantizedArray to `dtype` (float32, bfloat16 or float16) with the original x's shape.
 
     NVFP4: value(q) * ((s_b * amax) * fp32(1/2688)) (TE `dequantize_nvfp4.cuh`); 1x64: value(q) * s_b / S_enc,w;
-    RHT tensors get the inverse transform. MXFP8: float(q) * 2**(e - 127). Rounded once to `dtype` (RNE).
-    Swizzled scales are read directly (no separate unswizzle by the caller).
+    RHT tensors get the inverse transform. MXFP8: float(q) * 2**(e - 127). Rounded once to `dtype` (RNE, canonical
+    NaN). Swizzled scales are read directly (no separate unswizzle). Empty tensors give empty outputs.
+
+    Runs the `jf4_dequantize` primitive: the CUDA kernel where built (one launch, no launch for an empty tensor),
+    the bit-exact reference (`jax_fp4.reference.dequantize`) elsewhere; the bits are the same. jit, vmap and
+    sharded inputs (see jax_fp4/_src/primitives/partitioning.py) are supported.
 
     Raises:
       ValueError: `q` is not a QuantizedArray, or `dtype` is not float32/bfloat16/float16.
     """
     if not isinstance(q, QuantizedArray):
         raise ValueError(f"dequantize expects a jax_fp4.QuantizedArray, got {type(q).__name__}")
-    return reference.dequantize(q.data, _compact_scale(q), q.amax, q.window_amax, q.fmt, q.axis, dtype)
+    return dequantize_array(q, dtype)
 
 
 def swizzle_scales(q: QuantizedArray) -> QuantizedArray:
-    """Return `q` with GEMM-swizzled scales (padded [round_up(rows,128), round_up(cols,4)]); no-op if already."""
+    """Return `q` with GEMM-swizzled scales (padded [round_up(rows,128), round_up(cols,4)]); no-op if already.
+
+    The compact scales are viewed as the 2-D scale matrix [rows, cols] (block axis last, the other axes flattened;
+    MXFP8 columnwise scales transposed first, NUMERICS.md section 3) and bound to the `jf4_swizzle` primitive (CUDA
+    kernel where built; padding written as zero bytes).
+    """
     if q.scale_layout == "swizzled":
         return q
-    s = reference.swizzle_scales(q.scale, q.fmt, q.axis)
+    s = _swizzle(layout.scale_matrix(q.scale, q.axis, q.fmt.stores_block_axis_last))
     return QuantizedArray(q.data, s, q.amax, q.window_amax, fmt=q.fmt, axis=q.axis, scale_layout="swizzled")
 
 
 def unswizzle_scales(q: QuantizedArray) -> QuantizedArray:
-    """Return `q` with compact scales; exact inverse of `swizzle_scales`."""
+    """Return `q` with compact scales; exact inverse of `swizzle_scales` (the `jf4_unswizzle` primitive)."""
     if q.scale_layout == "compact":
         return q
     return QuantizedArray(q.data, _compact_scale(q), q.amax, q.window_amax, fmt=q.fmt, axis=q.axis)

@@ -1,5 +1,7 @@
 """Sharding rules (custom_partitioning + Shardy): sharded results equal unsharded ones, on 8 forced CPU devices.
 
+Covers quantize / amax (SCRIPT) and dequantize / swizzle / unswizzle (DEQUANTIZE_SCRIPT).
+
 XLA_FLAGS must be set before the backend starts, so the checks run in a subprocess. The amax and quantize outputs
 must match bit for bit; dbias (an fp32 sum whose reduction order XLA may change with the sharding) within the
 fp32 summation bound.
@@ -71,9 +73,103 @@ SCRIPT = textwrap.dedent(
     """
 )
 
+DEQUANTIZE_SCRIPT = textwrap.dedent(
+    """
+    import re
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import jax_fp4
 
-def test_sharded_equals_unsharded():
+    assert len(jax.devices()) == 8, jax.devices()
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    N, M = jax_fp4.NVFP4, jax_fp4.MXFP8
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((512, 256)), jnp.bfloat16)
+    COLLECTIVE = re.compile(r"all-gather|all-to-all|collective-permute")
+
+    def bits(a):
+        a = np.asarray(a)
+        return a.reshape(-1).view(f"u{a.dtype.itemsize}")
+
+    # (quantize, then dequantize / swizzle in a jit of its own: on jax 0.12 XLA:CPU compiles the two references
+    # fused into one module for minutes.)
+    def q(fmt, axis, layout="compact"):
+        return jax.jit(lambda x: jax_fp4.quantize(x, fmt, axis=axis, scale_layout=layout))
+
+    def dq(dtype=jnp.bfloat16):
+        return jax.jit(lambda q: jax_fp4.dequantize(q, dtype))
+
+    cases = {  # quantize a sharded x, then dequantize (or change the scale layout of) the sharded result
+        "nvfp4 row": (q(N(), -1), dq()),
+        "nvfp4 col (transposed output)": (q(N(), 0), dq(jnp.float32)),
+        "nvfp4 rht col": (q(N(rht=True), 0), dq()),
+        "nvfp4 1x64 row": (q(N(local_1x64=True), -1), dq(jnp.float16)),
+        "mxfp8 row": (q(M(), -1), dq()),
+        "mxfp8 col": (q(M(element="e5m2"), 0), dq()),
+        "nvfp4 row swizzled": (q(N(), -1, "swizzled"), dq()),
+        "mxfp8 col swizzled": (q(M(), 0, "swizzled"), dq()),
+        "swizzle_scales": (q(N(), -1), jax.jit(lambda q: jax_fp4.swizzle_scales(q).scale)),
+        "unswizzle_scales": (q(M(), 0, "swizzled"), jax.jit(lambda q: jax_fp4.unswizzle_scales(q).scale)),
+    }
+    bad = []
+    for spec in (P("data", None), P(None, "model"), P("data", "model")):
+        xs = jax.device_put(x, NamedSharding(mesh, spec))
+        for name, (fq, f) in cases.items():
+            if not np.array_equal(bits(f(fq(x))), bits(f(fq(xs)))):
+                bad.append((str(spec), name))
+
+    # Dequantize alone, the QuantizedArray's leaves sharded like x (NVFP4 columnwise data: like x.T). Compact scales
+    # hold whole blocks per shard here, so nothing is gathered and the output keeps x's sharding.
+    spec = P("data", "model")
+    for name, fmt, axis in (("nvfp4 row", N(), -1), ("nvfp4 col", N(), 0), ("nvfp4 1x64 row", N(local_1x64=True), -1),
+                            ("mxfp8 col", M(), 0)):
+        q = jax.jit(lambda x: jax_fp4.quantize(x, fmt, axis=axis))(x)
+        dspec = P("model", "data") if isinstance(fmt, N) and axis == 0 else spec
+        put = lambda a: None if a is None else jax.device_put(a, NamedSharding(mesh, dspec if a.ndim == 2 else P()))
+        qs = jax_fp4.QuantizedArray(put(q.data), put(q.scale), put(q.amax), put(q.window_amax), fmt=fmt, axis=q.axis)
+        f = jax.jit(lambda q: jax_fp4.dequantize(q, jnp.bfloat16))
+        got = f(qs)
+        if not np.array_equal(bits(got), bits(f(q))):
+            bad.append(("leaves sharded", name))
+        if got.sharding.spec != spec:
+            bad.append(("leaves sharded", name, "output sharding", got.sharding.spec))
+        if COLLECTIVE.search(f.lower(qs).compile().as_text()):
+            bad.append(("leaves sharded", name, "collective"))
+
+    # vmap folds the batch into P with one amax per example: the amax operand is sharded with P.
+    xb = jax.device_put(x.reshape(8, 64, 256), NamedSharding(mesh, P("data", None, "model")))
+    qb = jax.jit(jax.vmap(lambda x: jax_fp4.quantize(x, N(), axis=0)))
+    fb = jax.jit(jax.vmap(jax_fp4.dequantize))
+    if not np.array_equal(bits(fb(qb(xb))), bits(fb(qb(x.reshape(8, 64, 256))))):
+        bad.append(("vmap", "amax per p"))
+
+    # swizzle / unswizzle primitives: leading dims parallel, rows in whole 128-row tiles, else gathered.
+    from jax_fp4._src.primitives.swizzle import reference_swizzle, swizzle, unswizzle
+    s = jnp.asarray(np.random.default_rng(1).integers(0, 256, (4, 256, 12)), jnp.uint8)
+    for sspec in (P("data", "model", None), P(None, "data", "model"), P(None, "model", None)):
+        ss = jax.device_put(s, NamedSharding(mesh, sspec))
+        sw = jax.jit(swizzle)(ss)
+        if not np.array_equal(np.asarray(sw), np.asarray(reference_swizzle(s))):
+            bad.append((str(sspec), "swizzle"))
+        if not np.array_equal(np.asarray(jax.jit(lambda a: unswizzle(a, 256, 12))(sw)), np.asarray(s)):
+            bad.append((str(sspec), "unswizzle"))
+    sw = jax.jit(swizzle)(jax.device_put(s[0], NamedSharding(mesh, P("model", None))))
+    if tuple(sw.sharding.spec)[:1] != ("model",):  # 128 rows per shard: stays sharded
+        bad.append(("swizzle rows", sw.sharding.spec))
+    print("BAD", bad)
+    """
+)
+
+
+def _run(script):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-P", "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, "-P", "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "BAD []" in r.stdout, r.stdout[-4000:]
+
+
+def test_sharded_equals_unsharded():
+    _run(SCRIPT)
+
+
+def test_dequantize_and_swizzle_sharded_equal_unsharded():
+    _run(DEQUANTIZE_SCRIPT)

@@ -5,7 +5,8 @@
 * every recipe starts from the same parameters for the same seed (what --compare relies on);
 * checkpoints: a state with stochastic-rounding rng streams survives save / restore bit for bit; a run stopped
   after 3 steps and resumed to 6 ends in the same state and curve as a run of 6 steps; the output files;
-* bad flags exit through argparse with a message naming the problem;
+* bad flags (also --mesh shapes the model, the batch or the devices do not allow) exit through argparse with a
+  message naming the problem;
 * the data splits: by file for the stdlib (deterministic, disjoint), by contiguous region for --data; batches are a
   pure function of (seed, step).
 The BF16 recipe's `jax_fp4.flax.nnx.Dense` == `flax.nnx.Linear` bit for bit is tests/test_flax.py's
@@ -157,12 +158,28 @@ def test_resume_equals_uninterrupted(tmp_path, capsys):
     (["--d-model", "96"], "d_model 96 must be a multiple of 64"),
     (["--lr", "-1"], "--lr: must be a positive number"),
     (["--preset", "huge"], "--preset: invalid choice"),
+    (["--mesh", "2by2"], "--mesh: '2by2' is not DATAxTENSOR"),
+    (["--mesh", "0x2"], "is not DATAxTENSOR with positive sizes"),
+    (["--mesh", "3x1"], "--mesh 3x1: --batch 8 does not split over the data axis (3)"),
+    (["--mesh", "2x1", "--batch", "2"], "64 tokens per data shard: must be a multiple of 128"),
+    (["--mesh", "1x4"], "the 2 attention heads (d_model 64 / head size 32) do not split over the tensor axis (4)"),
+    (["--mesh", "2x2"], "--mesh 2x2 needs data x tensor = 4 devices; there are 1"),  # the test process: one CPU
 ])
 def test_bad_flags(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         train_lm.parse_args(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_mesh_flag():
+    """--mesh parses DATAxTENSOR; 1x1 fits the test process's one device. Sharded training: test_sharding_train.py."""
+    _, cfg, _ = train_lm.parse_args(["--mesh", "1x1"])
+    assert cfg.mesh == (1, 1) and train_lm.parse_args([])[1].mesh is None
+    assert "mesh" not in cfg.resume_key()  # checkpoints hold global arrays: a run may resume on another mesh
+    model = lm_model.ModelConfig(d_model=64, n_layers=1, n_heads=2, seq=64)
+    assert lm_model.mesh_problems(model, 8, 2, 2) == []
+    assert lm_model.mesh_notes(model, recipes.NVFP4_1x64(), 2) and not lm_model.mesh_notes(model, recipes.MXFP8(), 2)
 
 
 def test_resume_without_checkpoint(tmp_path, capsys):

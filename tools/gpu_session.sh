@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that builds the package and runs the GPU checks, logging to $OUT (see ../shared/DESIGN.md,
 # "GPU workflow"). Usage on the device machine, from the repository root:
-#   bash tools/gpu_session.sh [golden] [pytest] [sanitize] [bench-quantize] [bench-dense] [bench-amax] [ncu-quantize] [profile-dense]
+#   bash tools/gpu_session.sh [golden] [pytest] [sanitize] [bench-quantize] [bench-dequantize] [bench-dense] [bench-amax] [ncu-quantize] [profile-dense]
 # (no arguments: all of them). Needs tools/golden/ref.npz from `python -P tools/golden/make.py` for "golden".
 set -uo pipefail
 R="$PWD"
@@ -28,6 +28,8 @@ for step in "${steps[@]}"; do
               done ;;
     bench-quantize) timeout 200 python3 -P "$R/benchmarks/quantize.py" --iters 10 --repeats 2 \
                       --out "$OUT/quantize.json" > "$OUT/bench_quantize.log" 2>&1; tail -45 "$OUT/bench_quantize.log" ;;
+    bench-dequantize) timeout 300 python3 -P "$R/benchmarks/dequantize.py" --iters 10 --repeats 2 \
+                        --out "$OUT/dequantize.json" > "$OUT/bench_dequantize.log" 2>&1; tail -50 "$OUT/bench_dequantize.log" ;;
     bench-dense) timeout 300 python3 -P "$R/benchmarks/dense.py" --out "$OUT/dense.json" > "$OUT/bench_dense.log" 2>&1;
                  tail -25 "$OUT/bench_dense.log" ;;
     ncu-quantize) timeout 240 ncu --kernel-name regex:QuantizeKernel --launch-skip 2 --launch-count 1 \

@@ -1,10 +1,13 @@
 // FFI handler `jf4_dequantize`: NVFP4 / MXFP8 data [P, R, C] + scales (+ amax / window amax) -> f32/bf16/f16.
 //
-// Operands: data (float4_e2m1fn / float8 [P, R, C]), scale (compact or swizzled, 8-bit), amax f32[1] (NVFP4 with a
-// tensor scale, else f32[0]), window_amax f32[P*R*C/64] (NVFP4 1x64, else f32[0]). Result: out [P, R, C], or
-// [P, C, R] when flags has kTransposeOut (NVFP4 whose block axis is not x's last axis). Attributes: kind
-// (dequantize::Kind), flags (dequantize::Option bits). Every size is checked against the geometry, so a mismatched
-// call is an InvalidArgument error, never an out-of-bounds access. Command-buffer compatible: one launch.
+// Operands: data (float4_e2m1fn / float8_e4m3fn / float8_e5m2 [P, R, C]), scale (float8_e4m3fn for NVFP4,
+// float8_e8m0fnu for MXFP8; compact, or the swizzled padded scale matrix), amax f32[1] or f32[P] (NVFP4 with a
+// tensor scale; else f32[0]), window_amax f32[P, R, C/64] (NVFP4 1x64, else f32[0]); further operands are accepted
+// and ignored (RemainingArgs: a test aliases a poisoned buffer to the result). Result: out [P, R, C], or [P, C, R]
+// when flags has kTransposeOut (NVFP4 whose block axis is not x's last axis). Attributes: kind (dequantize::Kind),
+// flags (dequantize::Option bits). Every size is checked against the geometry, so a mismatched call is an
+// InvalidArgument error, never an out-of-bounds access. An empty tensor launches nothing. Command-buffer
+// compatible: one launch, no host sync, no allocation.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -34,7 +37,7 @@ cudaError_t LaunchKind(int kind, const Args& a, cudaStream_t stream) {
 }
 
 ffi::Error DequantizeImpl(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer scale,
-                          ffi::Buffer<ffi::F32> amax, ffi::Buffer<ffi::F32> window_amax,
+                          ffi::Buffer<ffi::F32> amax, ffi::Buffer<ffi::F32> window_amax, ffi::RemainingArgs,
                           ffi::Result<ffi::AnyBuffer> out, int32_t kind, int32_t flags) {
   const auto dims = data.dimensions();
   JF4_CHECK(dims.size() == 3, "jf4_dequantize: data must be rank 3 [P, R, C], got rank " +
@@ -50,9 +53,12 @@ ffi::Error DequantizeImpl(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuff
   JF4_CHECK(data.element_type() == dtype, where + ": data dtype " + DataTypeName(data.element_type()));
   const bool col = !nvfp4 && (flags & dequantize::kMxColumnwise);
   const bool local = nvfp4 && (flags & dequantize::k1x64);
+  const bool transpose = flags & dequantize::kTransposeOut;
+  JF4_CHECK(!transpose || nvfp4, where + ": only NVFP4 output is transposed");
+  JF4_CHECK(!(flags & dequantize::kMxColumnwise) || !nvfp4, where + ": kMxColumnwise is for MXFP8");
   const int64_t bs = nvfp4 ? 16 : 32;
-  JF4_CHECK(C % 16 == 0 && (col ? R % bs == 0 : C % bs == 0) && (!local || C % 64 == 0),
-            where + ": the block axis is not a whole number of blocks (or C % 16 != 0)");
+  JF4_CHECK((col ? R % bs == 0 : C % bs == 0) && (!local || C % 64 == 0),
+            where + ": the block axis is not a whole number of blocks (1x64: windows)");
   const int64_t rows = col ? P * C : P * R, cols = col ? R / bs : C / bs;
   const bool swizzled = flags & dequantize::kSwizzled;
   const int64_t scale_count = swizzled ? RoundUp(rows, 128) * RoundUp(cols, 4) : rows * cols;
@@ -61,22 +67,28 @@ ffi::Error DequantizeImpl(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuff
   JF4_CHECK(static_cast<int64_t>(ElementCount(scale)) == scale_count,
             where + ": scale holds " + std::to_string(ElementCount(scale)) + " elements, expected " +
                 std::to_string(scale_count));
-  JF4_CHECK(!nvfp4 || local || ElementCount(amax) >= 1, where + ": NVFP4 needs its tensor amax");
+  const int64_t amax_count = static_cast<int64_t>(ElementCount(amax));
+  const bool tensor_scale = nvfp4 && !local;
+  JF4_CHECK(!tensor_scale || amax_count == 1 || amax_count == P,
+            where + ": NVFP4 needs its tensor amax (1 or P floats), got " + std::to_string(amax_count));
   JF4_CHECK(!local || static_cast<int64_t>(ElementCount(window_amax)) == P * R * (C / 64),
             where + ": 1x64 window amax must hold P*R*C/64 floats");
-  JF4_CHECK(static_cast<int64_t>(ElementCount(*out)) == P * R * C, where + ": output size mismatch");
-  JF4_CHECK(P <= 65535 && (R + 63) / 64 <= 65535, where + ": exceeds the kernel's grid");
+  const auto od = out->dimensions();
+  JF4_CHECK(od.size() == 3 && od[0] == P && od[1] == (transpose ? C : R) && od[2] == (transpose ? R : C),
+            where + ": output shape mismatch");
   if (P * R * C == 0) return ffi::Error::Success();
 
   Args a{};
   a.data = static_cast<const uint8_t*>(data.untyped_data());
   a.scale = static_cast<const uint8_t*>(scale.untyped_data());
-  a.amax = amax.typed_data();
+  a.amax = tensor_scale ? amax.typed_data() : nullptr;
+  a.amax_per_p = tensor_scale && amax_count == P && P > 1;
   a.window_amax = local ? window_amax.typed_data() : nullptr;
   a.out = out->untyped_data();
   a.P = P, a.R = R, a.C = C;
   a.flags = flags;
   a.scale_cols_padded = RoundUp(cols, 4);
+  JF4_CHECK(a.data != nullptr && a.scale != nullptr && a.out != nullptr, where + ": null buffer");
   switch (out->element_type()) {
     case ffi::DataType::F32: JF4_CUDA_CHECK(LaunchKind<float>(kind, a, stream)); break;
     case ffi::DataType::BF16: JF4_CUDA_CHECK(LaunchKind<__nv_bfloat16>(kind, a, stream)); break;
@@ -98,6 +110,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jf4_dequantize, jax_fp4::DequantizeImpl,
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .RemainingArgs()
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<int32_t>("kind")
                                   .Attr<int32_t>("flags"),

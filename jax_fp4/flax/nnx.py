@@ -204,6 +204,10 @@ class LayerNormMLP(nnx.Module):
       use_bias: biases on both projections (default True).
       dtype, param_dtype, kernel_init, bias_init, rng_collection, rngs: as `Dense`, for both projections. The
         activation runs in the compute dtype.
+      down_kernel_init, down_bias_init: the down projection's initializers when they differ from ``kernel_init`` /
+        ``bias_init`` (default None: the same), e.g. another sharding annotation: Megatron-style tensor parallelism
+        splits ``up`` by columns and ``down`` by rows, ``kernel_init=nnx.with_partitioning(init, (None, "tensor"))``,
+        ``down_kernel_init=nnx.with_partitioning(init, ("tensor", None))``.
 
     Call: ``layer(x, *, rngs=None)``, x [..., in] -> [..., out]; a key passed as ``rngs`` is split between up and
     down.
@@ -213,7 +217,8 @@ class LayerNormMLP(nnx.Module):
                  activation: str = "gelu", norm: str = "layernorm", epsilon: float = 1e-6, use_bias: bool = True,
                  dtype: tp.Any = None, param_dtype: tp.Any = jnp.float32,
                  kernel_init: tp.Callable = default_kernel_init, bias_init: tp.Callable = default_bias_init,
-                 rng_collection: str = "quantize", rngs: nnx.Rngs):
+                 rng_collection: str = "quantize", rngs: nnx.Rngs, down_kernel_init: tp.Callable | None = None,
+                 down_bias_init: tp.Callable | None = None):
         _check_recipe(recipe, "jax_fp4.flax.nnx.LayerNormMLP")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -224,6 +229,8 @@ class LayerNormMLP(nnx.Module):
                       bias_init=bias_init, rng_collection=rng_collection, rngs=rngs)
         self.norm = _norm(norm, in_features, epsilon, dtype, param_dtype, rngs)
         self.up = Dense(in_features, hidden_features * (2 if activation == "swiglu" else 1), **common)
+        common["kernel_init"] = kernel_init if down_kernel_init is None else down_kernel_init
+        common["bias_init"] = bias_init if down_bias_init is None else down_bias_init
         self.down = Dense(hidden_features, out_features, **common)
 
     def __call__(self, x: jax.Array, *, rngs: RngsLike = None) -> jax.Array:

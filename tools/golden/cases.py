@@ -61,7 +61,39 @@ def cases():
     out.append(("rc", "bf16", (1728, 1024), 0, (N(), M()), None, "swizzled"))
     out.append(("q", "bf16", (1728, 1024), 0, N(scaling_2d=True), -1, "compact"))
     out.append(("q", "bf16", (1728, 1024), 0, M(), 0, "compact"))
+    # dequantize paths added with the public switch: MXFP8 columnwise with C % 16 != 0 (partial segments), NVFP4
+    # transposed output with R % 8 != 0 (scalar stores), vmap (one amax per p; swizzled: jf4_unswizzle first).
+    out.append(("dq", "bf16", (64, 40), 0, (M(), "f16"), 0, "compact"))
+    out.append(("dq", "bf16", (64, 36), 0, (N(), "bf16"), 0, "swizzled"))
+    out.append(("vdq", "bf16", (3, 64, 96), 0, N(rht=True), 0, "swizzled"))
+    out.append(("vdq", "bf16", (3, 64, 96), 0, M(), 0, "compact"))
+    # jf4_swizzle / jf4_unswizzle (fmt: the scale dtype): padding rows and columns, batches, > 1 stripe, empty.
+    for shape, dt in (((130, 5), "e4m3"), ((2, 320, 70), "e8m0"), ((256, 132), "u8"), ((2048, 260), "e4m3"),
+                      ((3, 2), "e8m0"), ((0, 4), "u8"), ((5, 0), "u8")):
+        out.append(("sw", "f32", shape, 0, dt, None, "swizzled"))
+    out.append(("swq", "bf16", (320, 192), 0, N(), 0, "compact"))  # public swizzle_scales
+    out.append(("swq", "bf16", (320, 192), 0, M(), 0, "swizzled"))  # public unswizzle_scales
     return out
+
+
+SCALE_DT = {"e4m3": jnp.float8_e4m3fn, "e8m0": jnp.float8_e8m0fnu, "u8": jnp.uint8}
+
+
+def _scale_bytes(x, dt):
+    """Deterministic scale codes of dtype `dt` from x's fp32 mantissa bits (same shape as x)."""
+    b = (jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32) >> 13).astype(jnp.uint8)
+    return b if dt == "u8" else jax.lax.bitcast_convert_type(b, SCALE_DT[dt])
+
+
+def _swizzle_case(x, dt):
+    """swizzle(s), unswizzle(swizzle(s)) and unswizzle of a swizzled matrix with nonzero padding bytes."""
+    from jax_fp4._src.primitives.swizzle import swizzle, unswizzle
+
+    s = _scale_bytes(x, dt)
+    rows, cols = s.shape[-2:]
+    sw = swizzle(s)
+    noisy = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(sw, jnp.uint8) ^ jnp.uint8(0xA5), sw.dtype)
+    return sw, unswizzle(sw, rows, cols), unswizzle(noisy, rows, cols)
 
 
 def fn(case):
@@ -75,7 +107,33 @@ def fn(case):
 
         f, out = fmt
         return lambda x, k: dequantize_array(jax_fp4.quantize(x, f, axis=axis, key=k, scale_layout=lay), DT[out])
+    if kind == "vdq":
+        return lambda x, k: jax.vmap(lambda y: jax_fp4.dequantize(
+            jax_fp4.quantize(y, fmt, axis=axis, scale_layout=lay), jnp.bfloat16))(x)
+    if kind == "sw":
+        return lambda x, k: _swizzle_case(x, fmt)
+    if kind == "swq":
+        if lay == "compact":
+            return lambda x, k: jax_fp4.swizzle_scales(jax_fp4.quantize(x, fmt, axis=axis)).scale
+        return lambda x, k: jax_fp4.unswizzle_scales(jax_fp4.quantize(x, fmt, axis=axis, scale_layout=lay)).scale
     return lambda x, k: jax.vmap(lambda y: jax_fp4.quantize(y, fmt, axis=axis))(x)
+
+
+#: Custom calls each kind must lower to on the GPU (check.py reports "OK-but-no-kernel" otherwise).
+KERNELS = {"q": ("jf4_quantize",), "rc": ("jf4_quantize",), "vmap": ("jf4_quantize",),
+           "dq": ("jf4_quantize", "jf4_dequantize"), "vdq": ("jf4_dequantize",),
+           "sw": ("jf4_swizzle", "jf4_unswizzle"), "swq": ("jf4_quantize",)}
+
+
+def expected_kernels(case):
+    kind, shape, lay = case[0], case[2], case[6]
+    if 0 in shape:  # empty: nothing to launch
+        return ()
+    if kind == "swq":
+        return KERNELS[kind] + (("jf4_swizzle",) if lay == "compact" else ("jf4_unswizzle",))
+    if kind == "vdq" and lay == "swizzled":
+        return KERNELS[kind] + ("jf4_unswizzle",)
+    return KERNELS[kind]
 
 
 def bits(a):

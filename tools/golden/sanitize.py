@@ -22,5 +22,19 @@ outs = [
     jax_fp4.quantize(xf.astype(jnp.float16)[:, :32], N(), axis=-1),
     jax_fp4.quantize(jnp.zeros((0, 64), jnp.bfloat16), N()),
 ]
+q_nv = jax_fp4.quantize(x, N(rht=True), axis=0, scale_layout="swizzled")  # transposed output, swizzled scales
+q_mx = jax_fp4.quantize(xf, M(), axis=0)  # columnwise, C = 40: partial segments
+q_64 = jax_fp4.quantize(x[:256], N(local_1x64=True))
+outs += [
+    jax_fp4.dequantize(q_nv, jnp.bfloat16),
+    jax_fp4.dequantize(q_mx, jnp.float16),
+    jax_fp4.dequantize(q_64),
+    jax_fp4.dequantize(jax_fp4.quantize(x[:, :36], N(), axis=0), jnp.bfloat16),  # R = 36: scalar stores
+    jax.vmap(jax_fp4.dequantize)(jax.vmap(lambda y: jax_fp4.quantize(y, N(), axis=0))(x.reshape(2, 160, 192))),
+    jax_fp4.dequantize(jax_fp4.quantize(jnp.zeros((0, 64), jnp.bfloat16), N())),
+    jax_fp4.swizzle_scales(q_mx).scale,  # [40, 3] -> [128, 4]: padding rows and columns
+    jax_fp4.unswizzle_scales(q_nv).scale,
+    jax_fp4.unswizzle_scales(jax_fp4.swizzle_scales(jax_fp4.quantize(x, N()))).scale,
+]
 jax.block_until_ready(outs)
 print("sanitize workload done")

@@ -1,87 +1,150 @@
 """`jf4_dequantize`: NVFP4 / MXFP8 -> float32 / bfloat16 / float16 (NUMERICS.md sections 1-3).
 
-Operands (the ops layer reshapes a QuantizedArray into this [P, R, C] view, see `dequantize_3d`):
-  data: NVFP4 float4_e2m1fn [P, R, C] (stored layout, block axis C) | MXFP8 float8 [P, R, C] (x's layout, blocks
-    along C rowwise or along R columnwise);
-  scale: compact (NVFP4 [P, R, C/16]; MXFP8 rowwise [P, R, C/32], columnwise [P, R/32, C]) or swizzled (the padded
-    2-D GEMM layout of the scale matrix);
-  amax: float32[1] (NVFP4 1D/2D/RHT) or float32[0]; window_amax: float32[P, R, C/64] (NVFP4 1x64) or float32[0].
-Static parameters: fmt, out_dtype, scale_layout, mx_columnwise (MXFP8 blocks along R), transpose_out (NVFP4 whose
-  block axis is not x's last: the result is [P, C, R], x's own layout).
-Result: out_dtype [P, R, C] (or [P, C, R]).
+Operands (`dequantize_array` views a QuantizedArray as [P, R, C]):
+  data: NVFP4 float4_e2m1fn [P, R, C] (the stored layout, block axis C; packed two per byte on GPU, even index in
+    the low nibble) | MXFP8 float8_e4m3fn / float8_e5m2 [P, R, C] (x's layout; blocks along C rowwise, along R
+    with mx_columnwise).
+  scale: compact: NVFP4 float8_e4m3fn [P, R, C/16]; MXFP8 float8_e8m0fnu [P, R, C/32] rowwise, [P, R/32, C]
+    columnwise. Swizzled: the padded GEMM layout [round_up(rows, 128), round_up(cols, 4)] of the 2-D scale matrix
+    [rows, cols] = [P*R, C/bs] (MXFP8 columnwise: [P*C, R/32], rows ordered (p, c)).
+  amax: float32 [1] or [P] (NVFP4 1D/2D/RHT: the tensor amax, one per p once vmap folded a batch into P);
+    float32 [0] for formats without a tensor scale.
+  window_amax: float32 [P, R, C/64] (NVFP4 1x64), else float32 [0].
+Static parameters: fmt, out_dtype (float32 / bfloat16 / float16), scale_layout ("compact" / "swizzled"),
+  mx_columnwise (MXFP8 blocks along R), transpose_out (NVFP4 whose block axis is not x's last: the result is
+  [P, C, R], x's own layout), local (set by the sharding rule's per-shard body).
+Result: out_dtype [P, R, C] ([P, C, R] with transpose_out), rounded once from fp32 (RNE, canonical NaN).
 
-Lowerings: CUDA FFI target `jf4_dequantize` (cpp/dequantize/) where the kernel tiles the case (C % 16 == 0), the
-reference elsewhere. The public `jax_fp4.dequantize` switches to this primitive once the kernel has been verified
-bit-exact on a GPU (it is compiled and CPU-tested through the reference lowering, not yet run on a GPU).
+Constraints (abstract eval; `ValueError` naming the shapes, dtypes and format): data of rank 3 and the format's
+data dtype; the block axis a whole number of blocks (1x64: of 64-windows); scale of the format's scale dtype and
+the shape above; amax / window_amax as above; mx_columnwise only for MXFP8, transpose_out only for NVFP4.
+
+Lowerings: CUDA FFI target `jf4_dequantize` (cpp/dequantize/) when the extension is built, the bit-exact
+reference (`jax_fp4.reference.nvfp4.dequantize` / `mxfp8.dequantize`) elsewhere. vmap folds the batch into P
+(swizzled scales are unswizzled first by `jf4_unswizzle`), so batched calls run the kernel too. Sharding:
+partitioning.py. Autodiff: stop_gradient semantics (a symbolic-zero tangent for every operand), as the reference's
+integer-exact arithmetic had; quantized training differentiates through the recipes' custom_vjp instead.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 
 from jax_fp4._src import ffi as _ffi
+from jax_fp4._src.primitives import partitioning
 from jax_fp4._src.primitives._common import def_impl
-from jax_fp4.formats import NVFP4, round_up
+from jax_fp4._src.primitives.swizzle import padded_shape, unswizzle_p
+from jax_fp4.formats import MXFP8, NVFP4
+from jax_fp4.quantized_array import SCALE_LAYOUTS
 from jax_fp4.reference import codes, layout, mxfp8, nvfp4
 
-__all__ = ["dequantize_p", "dequantize_3d"]
+__all__ = ["dequantize_p", "dequantize_3d", "dequantize_array", "dequantize_operands", "OUT_DTYPES"]
 
+# FFI attribute encoding (cpp/dequantize/dequantize.cuh).
 KIND_NVFP4, KIND_MXFP8_E4M3, KIND_MXFP8_E5M2 = 1, 2, 3
 OPT_RHT, OPT_1X64, OPT_SWIZZLED, OPT_TRANSPOSE, OPT_MX_COL = 2, 8, 1 << 16, 1 << 17, 1 << 18
-_OUT = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+#: Output dtypes.
+OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 dequantize_p = Primitive("jf4_dequantize")
 def_impl(dequantize_p)
 
 
-def _scale_matrix_shape(fmt, shape, mx_columnwise):
+def _tensor_scale(fmt) -> bool:
+    return isinstance(fmt, NVFP4) and not fmt.local_1x64
+
+
+def _local_1x64(fmt) -> bool:
+    return isinstance(fmt, NVFP4) and fmt.local_1x64
+
+
+def scale_matrix_shape(fmt, shape, mx_columnwise) -> tuple[int, int]:
+    """[rows, cols] of the 2-D scale matrix of data [P, R, C]."""
     P, R, C = shape
     bs = fmt.block_size
     return (P * C, R // bs) if mx_columnwise else (P * R, C // bs)
 
 
-def _abstract_eval(data, scale, amax, window_amax, *, fmt, out_dtype, scale_layout, mx_columnwise, transpose_out):
-    where = f"jf4_dequantize: data {data.dtype}{list(data.shape)} ({fmt!r})"
-    if data.ndim != 3:
-        raise ValueError(f"{where}: expected rank 3 [P, R, C]")
-    if jnp.dtype(out_dtype) not in _OUT:
-        raise ValueError(f"{where}: output dtype must be float32, bfloat16 or float16, got {out_dtype}")
-    P, R, C = data.shape
+def compact_scale_shape(fmt, shape, mx_columnwise) -> tuple[int, int, int]:
+    P, R, C = shape
     bs = fmt.block_size
+    return (P, R // bs, C) if mx_columnwise else (P, R, C // bs)
+
+
+def _check_operand(where, name, a, shape, dtype):
+    if tuple(a.shape) != tuple(shape) or jnp.dtype(a.dtype) != jnp.dtype(dtype):
+        raise ValueError(f"{where}: {name} must be {jnp.dtype(dtype).name}{list(shape)}, got "
+                         f"{jnp.dtype(a.dtype).name}{list(a.shape)}")
+
+
+def _abstract_eval(data, scale, amax, window_amax, *, fmt, out_dtype, scale_layout, mx_columnwise, transpose_out,
+                   local=False):
+    where = f"jf4_dequantize: data {jnp.dtype(data.dtype).name}{list(data.shape)} ({fmt!r})"
+    if not isinstance(fmt, (NVFP4, MXFP8)):
+        raise ValueError(f"{where}: expected a jax_fp4 format, got {fmt!r}")
+    if len(data.shape) != 3:
+        raise ValueError(f"{where}: expected rank 3 [P, R, C]")
+    if jnp.dtype(data.dtype) != jnp.dtype(fmt.data_dtype):
+        raise ValueError(f"{where}: data must be {jnp.dtype(fmt.data_dtype).name}")
+    if jnp.dtype(out_dtype) not in OUT_DTYPES:
+        raise ValueError(f"{where}: output dtype must be float32, bfloat16 or float16, got {out_dtype}")
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"{where}: scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+    if mx_columnwise and not isinstance(fmt, MXFP8):
+        raise ValueError(f"{where}: mx_columnwise is for MXFP8 (NVFP4 stores its block axis last)")
+    if transpose_out and not isinstance(fmt, NVFP4):
+        raise ValueError(f"{where}: transpose_out is for NVFP4 (MXFP8 keeps x's layout)")
+    P, R, C = data.shape
     blocked = R if mx_columnwise else C
-    if blocked % bs or (isinstance(fmt, NVFP4) and fmt.local_1x64 and C % fmt.window_size):
-        raise ValueError(f"{where}: the block axis is not a whole number of blocks")
-    rows, cols = _scale_matrix_shape(fmt, data.shape, mx_columnwise)
+    if blocked % fmt.block_size or (_local_1x64(fmt) and C % fmt.window_size):
+        raise ValueError(f"{where}: the block axis ({'R' if mx_columnwise else 'C'} = {blocked}) is not a whole "
+                         f"number of {fmt.window_size if _local_1x64(fmt) else fmt.block_size}-blocks")
     if scale_layout == "swizzled":
-        expect = (round_up(rows, 128), round_up(cols, 4))
-    elif isinstance(fmt, NVFP4):
-        expect = (P, R, C // bs)
+        expect = padded_shape(*scale_matrix_shape(fmt, data.shape, mx_columnwise))
     else:
-        expect = (P, R // bs, C) if mx_columnwise else (P, R, C // bs)
-    if tuple(scale.shape) != expect:
-        raise ValueError(f"{where}: scale shape {tuple(scale.shape)} != {expect} ({scale_layout})")
-    out = (P, C, R) if transpose_out else (P, R, C)
-    return jax.core.ShapedArray(out, jnp.dtype(out_dtype))
+        expect = compact_scale_shape(fmt, data.shape, mx_columnwise)
+    _check_operand(where, f"scale ({scale_layout})", scale, expect, fmt.scale_dtype)
+    if _tensor_scale(fmt):
+        if tuple(amax.shape) not in ((1,), (P,)) or amax.dtype != jnp.float32:
+            raise ValueError(f"{where}: amax must be float32[1] or float32[{P}], got {amax.dtype}{list(amax.shape)}")
+    else:
+        _check_operand(where, "amax (unused by this format)", amax, (0,), jnp.float32)
+    w_shape = (P, R, C // fmt.window_size) if _local_1x64(fmt) else (0,)
+    _check_operand(where, "window_amax", window_amax, w_shape, jnp.float32)
+    return jax.core.ShapedArray((P, C, R) if transpose_out else (P, R, C), jnp.dtype(out_dtype))
 
 
 dequantize_p.def_abstract_eval(_abstract_eval)
 
 
-def _reference(data, scale, amax, window_amax, *, fmt, out_dtype, scale_layout, mx_columnwise, transpose_out):
-    P, R, C = data.shape
+# ---- reference lowering -----------------------------------------------------------------------------------------
+def _compact_from_swizzled(fmt, scale, shape, mx_columnwise):
+    """The swizzled padded scale matrix -> compact [P, ...] scales (`compact_scale_shape`)."""
+    P, R, C = shape
+    m = layout.unswizzle(scale, *scale_matrix_shape(fmt, shape, mx_columnwise))
+    if mx_columnwise:
+        return jnp.swapaxes(m.reshape(P, C, R // fmt.block_size), 1, 2)
+    return m.reshape(compact_scale_shape(fmt, shape, mx_columnwise))
+
+
+def reference_dequantize(data, scale, amax, window_amax, *, fmt, out_dtype, scale_layout, mx_columnwise,
+                         transpose_out):
+    """The primitive's semantics in pure jnp (its default lowering)."""
     if scale_layout == "swizzled":
-        rows, cols = _scale_matrix_shape(fmt, data.shape, mx_columnwise)
-        m = layout.unswizzle(scale, rows, cols)
-        scale = m.reshape(P, C, R // fmt.block_size) if mx_columnwise else m.reshape(P, R, -1)
-        if mx_columnwise:
-            scale = jnp.swapaxes(scale, 1, 2)
+        scale = _compact_from_swizzled(fmt, scale, data.shape, mx_columnwise)
     if isinstance(fmt, NVFP4):
-        w = window_amax.reshape(P, R, -1) if fmt.local_1x64 else None
-        v = nvfp4.dequantize(codes.from_dtype(data), codes.from_dtype(scale), amax[0] if amax.size else None, w, fmt)
+        a = None
+        if _tensor_scale(fmt):
+            a = amax[0] if amax.shape[0] == 1 else amax[:, None, None]
+        w = window_amax if fmt.local_1x64 else None
+        v = nvfp4.dequantize(codes.from_dtype(data), codes.from_dtype(scale), a, w, fmt)
     elif mx_columnwise:
         v = jnp.swapaxes(mxfp8.dequantize(jnp.swapaxes(data, 1, 2), codes.from_dtype(jnp.swapaxes(scale, 1, 2)),
                                           fmt), 1, 2)
@@ -92,11 +155,18 @@ def _reference(data, scale, amax, window_amax, *, fmt, out_dtype, scale_layout, 
     return codes.output(v, out_dtype)
 
 
-_reference_lowering = mlir.lower_fun(_reference, multiple_results=False)
-mlir.register_lowering(dequantize_p, _reference_lowering)
+_reference_lowering = mlir.lower_fun(reference_dequantize, multiple_results=False)
+mlir.register_lowering(dequantize_p, partitioning.lowering(dequantize_p, _reference_lowering, "dequantize"))
 
 
-def _flags(fmt, scale_layout, mx_columnwise, transpose_out):
+# ---- CUDA lowering ----------------------------------------------------------------------------------------------
+def kind(fmt) -> int:
+    if isinstance(fmt, NVFP4):
+        return KIND_NVFP4
+    return KIND_MXFP8_E4M3 if fmt.element == "e4m3" else KIND_MXFP8_E5M2
+
+
+def flags(fmt, scale_layout, mx_columnwise, transpose_out) -> int:
     f = OPT_SWIZZLED if scale_layout == "swizzled" else 0
     f |= OPT_MX_COL if mx_columnwise else 0
     f |= OPT_TRANSPOSE if transpose_out else 0
@@ -106,60 +176,105 @@ def _flags(fmt, scale_layout, mx_columnwise, transpose_out):
 
 
 def _cuda_lowering(ctx, data, scale, amax, window_amax, **params):
-    P, R, C = ctx.avals_in[0].shape
-    if C % 16 or P > 65535:
+    if math.prod(ctx.avals_in[0].shape) >= 2**40:  # beyond the kernel's 2^31-block grid
         return _reference_lowering(ctx, data, scale, amax, window_amax, **params)
     fmt = params["fmt"]
-    kind = KIND_NVFP4 if isinstance(fmt, NVFP4) else (KIND_MXFP8_E4M3 if fmt.element == "e4m3" else KIND_MXFP8_E5M2)
-    flags = _flags(fmt, params["scale_layout"], params["mx_columnwise"], params["transpose_out"])
-    return jax.ffi.ffi_lowering("jf4_dequantize")(ctx, data, scale, amax, window_amax, kind=np.int32(kind),
-                                                  flags=np.int32(flags))
+    f = flags(fmt, params["scale_layout"], params["mx_columnwise"], params["transpose_out"])
+    return jax.ffi.ffi_lowering("jf4_dequantize")(ctx, data, scale, amax, window_amax, kind=np.int32(kind(fmt)),
+                                                  flags=np.int32(f))
 
 
 if _ffi.ensure_registered() and "jf4_dequantize" in _ffi.targets():
-    mlir.register_lowering(dequantize_p, _cuda_lowering, platform="cuda")
+    mlir.register_lowering(dequantize_p, partitioning.lowering(dequantize_p, _cuda_lowering, "dequantize"),
+                           platform="cuda")
 
 
-def _batch_rule(args, dims, **params):
+# ---- batching: fold the batch into P ----------------------------------------------------------------------------
+def _batch_rule(args, dims, *, fmt, out_dtype, scale_layout, mx_columnwise, transpose_out, local=False):
     size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-    moved = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
-             for a, d in zip(args, dims, strict=True)]
-    return jax.vmap(lambda *a: _reference(*a, **params))(*moved), 0
+
+    def lead(a, d):
+        return jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+
+    data, scale, amax, window_amax = (lead(a, d) for a, d in zip(args, dims, strict=True))
+    B, (P, R, C) = size, data.shape[1:]
+    if scale_layout == "swizzled":  # batched unswizzle (kernel), then the compact layout per example
+        rows, cols = scale_matrix_shape(fmt, (P, R, C), mx_columnwise)
+        m = unswizzle_p.bind(scale, rows=rows, cols=cols)
+        if mx_columnwise:
+            scale = jnp.swapaxes(m.reshape(B, P, C, R // fmt.block_size), 2, 3)
+        else:
+            scale = m.reshape(B, *compact_scale_shape(fmt, (P, R, C), mx_columnwise))
+    if _tensor_scale(fmt):  # [B, 1] or [B, P] -> one amax per folded p
+        amax = jnp.broadcast_to(amax, (B, P)).reshape(B * P)
+    else:
+        amax = jnp.zeros((0,), jnp.float32)
+    if _local_1x64(fmt):
+        window_amax = window_amax.reshape(B * P, *window_amax.shape[2:])
+    else:
+        window_amax = jnp.zeros((0,), jnp.float32)
+    out = dequantize_p.bind(data.reshape(B * P, R, C), scale.reshape(B * P, *scale.shape[2:]), amax, window_amax,
+                            fmt=fmt, out_dtype=out_dtype, scale_layout="compact", mx_columnwise=mx_columnwise,
+                            transpose_out=transpose_out)
+    return out.reshape(B, P, *out.shape[1:]), 0
 
 
 batching.primitive_batchers[dequantize_p] = _batch_rule
+ad.defjvp(dequantize_p, None, None, None, None)  # zero tangents (see the module docstring)
+
+
+def _amax_operand(amax):
+    if amax is None:
+        return jnp.zeros((0,), jnp.float32)
+    amax = jnp.asarray(amax, jnp.float32)
+    return amax.reshape(1) if amax.ndim == 0 else amax
 
 
 def dequantize_3d(data, scale, amax, window_amax, *, fmt, out_dtype, scale_layout="compact", mx_columnwise=False,
                   transpose_out=False):
-    """Bind the primitive (see the module docstring)."""
-    amax = jnp.zeros((0,), jnp.float32) if amax is None else jnp.reshape(amax, (1,)).astype(jnp.float32)
+    """Bind the primitive (see the module docstring). amax: None, a scalar, or float32[1] / [P]; window_amax:
+    None or float32[P, R, C/64]."""
     window_amax = jnp.zeros((0,), jnp.float32) if window_amax is None else window_amax
-    return dequantize_p.bind(data, scale, amax, window_amax, fmt=fmt, out_dtype=jnp.dtype(out_dtype),
+    return dequantize_p.bind(data, scale, _amax_operand(amax), window_amax, fmt=fmt, out_dtype=jnp.dtype(out_dtype),
                              scale_layout=scale_layout, mx_columnwise=bool(mx_columnwise),
                              transpose_out=bool(transpose_out))
 
 
-def dequantize_array(q, dtype=jnp.float32):
-    """A QuantizedArray -> `dtype` array of its logical shape through `jf4_dequantize` ([P, R, C] view)."""
-    fmt, shape, nd = q.fmt, q.shape, len(q.shape)
+def dequantize_operands(q, dtype=jnp.float32):
+    """(operands, params) of the `jf4_dequantize` bind for a QuantizedArray q: its [P, R, C] view.
+
+    View: with a = q.axis and x's shape (lead, n, trail): rowwise (a last) [1, prod(lead), n]; NVFP4 otherwise
+    [prod(lead), prod(trail), n] with transpose_out (the data stores x[p].T); MXFP8 otherwise
+    [prod(lead), n, prod(trail)] with mx_columnwise. Swizzled scales are passed as they are.
+    """
+    fmt, shape = q.fmt, q.shape
+    nd = len(shape)
     a = q.axis % nd
-    lead, blocked, trail = shape[:a], shape[a], shape[a + 1:]
-    P, T = int(np.prod(lead, dtype=np.int64)), int(np.prod(trail, dtype=np.int64))
+    n = shape[a]
+    P, T = math.prod(shape[:a]), math.prod(shape[a + 1:])
     if a == nd - 1:  # rowwise: [1, rows, n]
-        P, R, C, transpose, mx_col = 1, P, blocked, False, False
+        P, R, C, transpose, mx_col = 1, P, n, False, False
     elif isinstance(fmt, NVFP4):  # stored [lead, trail, n]; x is its per-lead transpose
-        R, C, transpose, mx_col = T, blocked, True, False
+        R, C, transpose, mx_col = T, n, True, False
     else:  # MXFP8 keeps x's layout; blocks along R
-        R, C, transpose, mx_col = blocked, T, False, True
+        R, C, transpose, mx_col = n, T, False, True
     data = q.data.reshape(P, R, C)
     if q.scale_layout == "swizzled":
         scale = q.scale
-    elif isinstance(fmt, NVFP4) or not mx_col:
-        scale = q.scale.reshape(P, R, C // fmt.block_size)
     else:
-        scale = q.scale.reshape(P, R // fmt.block_size, C)
-    w = q.window_amax.reshape(-1) if q.window_amax is not None else None
-    out = dequantize_3d(data, scale, q.amax, w, fmt=fmt, out_dtype=dtype, scale_layout=q.scale_layout,
-                        mx_columnwise=mx_col, transpose_out=transpose)
-    return out.reshape(shape)
+        scale = q.scale.reshape(compact_scale_shape(fmt, (P, R, C), mx_col))
+    amax = _amax_operand(q.amax if _tensor_scale(fmt) else None)
+    if _local_1x64(fmt):
+        w = q.window_amax.reshape(P, R, C // fmt.window_size)
+    else:
+        w = jnp.zeros((0,), jnp.float32)
+    params = dict(fmt=fmt, out_dtype=jnp.dtype(dtype), scale_layout=q.scale_layout, mx_columnwise=mx_col,
+                  transpose_out=transpose)
+    return (data, scale, amax, w), params
+
+
+def dequantize_array(q, dtype=jnp.float32):
+    """A QuantizedArray -> `dtype` array of its logical shape (q.shape) through `jf4_dequantize`
+    (`dequantize_operands` gives the view)."""
+    args, params = dequantize_operands(q, dtype)
+    return dequantize_p.bind(*args, **params).reshape(q.shape)

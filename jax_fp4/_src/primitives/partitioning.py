@@ -11,6 +11,12 @@ Rules:
     tensor scale: sharded output == unsharded output.
   * jf4_amax / jf4_rht_amax: each shard reduces its part, then `lax.pmax` over the mesh axes that shard x; the
     result is replicated and equals the unsharded amax bit for bit (max is exact and order-free).
+  * jf4_dequantize (data[P, R, C]): parallel over P, R and C as long as each shard holds whole blocks (and 1x64
+    windows) along the block axis; swizzled scales stay sharded only along the scale-matrix rows in whole 128-row
+    tiles (the block-count columns interleave across 4-column tiles), otherwise the axis is gathered. The amax is a
+    replicated operand (sharded with P when it holds one value per p), so sharded output == unsharded output.
+  * jf4_swizzle / jf4_unswizzle ([..., rows, cols]): leading dimensions parallel; rows sharded in whole 128-row
+    tiles (then the padded matrix has no padding rows and each shard's tiles are contiguous); columns gathered.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_fp4.formats import NVFP4
 
-__all__ = ["lowering", "quantize_result_specs", "quantize_x_spec"]
+__all__ = ["dequantize_specs", "lowering", "quantize_result_specs", "quantize_x_spec", "swizzle_spec"]
 
 
 def _spec(sharding, ndim):
@@ -37,6 +43,11 @@ def _size(mesh, ax) -> int:
         return 1
     axes = ax if isinstance(ax, tuple) else (ax,)
     return math.prod(mesh.shape[a] for a in axes)
+
+
+def _divisible(mesh, shape, spec):
+    """spec with every mesh axis dropped whose size does not divide its dimension."""
+    return tuple(ax if ax is None or d % _size(mesh, ax) == 0 else None for d, ax in zip(shape, spec, strict=True))
 
 
 def _names(spec):
@@ -116,9 +127,48 @@ def quantize_result_specs(x_spec, row_fmt, col_fmt, scale_layout, dbias):
     return out
 
 
-def _quantize_rule(row_fmt, col_fmt, scale_layout, dbias):
-    """Shardy rule: factors p m k of x; block-count dims and swizzled/placeholder dims get factors of their own."""
+def _split(name, n, divisors, devices):
+    """Shardy mappings of an axis of length n and of its divided lengths n / d (d in `divisors`, each dividing the
+    next larger one): {1: mapping of n, d: mapping of n / d}, and the sizes of factors that never span a dimension.
+
+    Compound factors tie the dimensions together, e.g. ("k", 256, {16, 64}) -> {64: "k0", 16: "(k0 k1)",
+    1: "(k0 k1 k2)"}, {"k1": 4, "k2": 16}, so a sharding of x's K propagates to its K/16 scales and K/64 window
+    amaxes. Only when every sharding of the axis fits whole into the major factor (n / max(d) a multiple of the
+    device count, which every product of mesh axes divides); otherwise Shardy would split a mesh axis into sub-axes,
+    which custom_partitioning cannot decode, so the divided dimensions get factors of their own instead."""
+    levels = sorted(set(divisors), reverse=True)
+    if not levels:
+        return {1: name}, {}
+    if devices is None or (n // levels[0]) % devices:
+        return {1: name, **{d: f"{name}_{d}" for d in levels}}, {}
+    parts = [f"{name}0"]
+    maps, sizes = {levels[0]: parts[0]}, {}
+    for i, (coarse, fine) in enumerate(zip(levels, [*levels[1:], 1], strict=True), 1):
+        parts.append(f"{name}{i}")
+        sizes[parts[-1]] = coarse // fine
+        maps[fine] = "(" + " ".join(parts) + ")"
+    return maps, sizes
+
+
+def _divisors(fmt, blocked: bool, compact: bool):
+    """The block lengths one orientation's outputs divide an axis of x by (compact scales, 1x64 window amaxes)."""
+    if fmt is None or not blocked:
+        return set()
+    out = {fmt.block_size} if compact else set()
+    if isinstance(fmt, NVFP4) and fmt.local_1x64:
+        out.add(fmt.window_size)
+    return out
+
+
+def _quantize_rule(row_fmt, col_fmt, scale_layout, dbias, shape, devices):
+    """Shardy rule: factors p m k of x, split into compound factors where an output holds block counts (see _split);
+    swizzled and placeholder dims get factors of their own. Returns (rule, factor sizes)."""
     swz = scale_layout == "swizzled"
+    _, M, K = shape
+    stripes = {64} if dbias and M % 64 == 0 else set()
+    Km, ks = _split("k", K, _divisors(row_fmt, True, not swz), devices)
+    Mm, ms = _split("m", M, _divisors(col_fmt, True, not swz) | stripes, devices)
+    m, k = Mm[1], Km[1]
     outs, z = [], iter(range(100))
 
     def own():
@@ -127,20 +177,20 @@ def _quantize_rule(row_fmt, col_fmt, scale_layout, dbias):
     if row_fmt is None:
         outs += [own(), own(), own()]
     else:
-        outs += ["p m k", f"{own()} {own()}" if swz else f"p m {own()}",
-                 f"p m {own()}" if isinstance(row_fmt, NVFP4) and row_fmt.local_1x64 else own()]
+        outs += [f"p {m} {k}", f"{own()} {own()}" if swz else f"p {m} {Km[row_fmt.block_size]}",
+                 f"p {m} {Km[64]}" if isinstance(row_fmt, NVFP4) and row_fmt.local_1x64 else own()]
     if col_fmt is None:
         outs += [own(), own(), own()]
     elif isinstance(col_fmt, NVFP4):
-        outs += ["p k m", f"{own()} {own()}" if swz else f"p k {own()}",
-                 f"p k {own()}" if col_fmt.local_1x64 else own()]
+        outs += [f"p {k} {m}", f"{own()} {own()}" if swz else f"p {k} {Mm[col_fmt.block_size]}",
+                 f"p {k} {Mm[64]}" if col_fmt.local_1x64 else own()]
     else:
-        outs += ["p m k", f"{own()} {own()}" if swz else f"p {own()} k", own()]
-    outs.append(f"p {own()} k" if dbias else own())
-    return "p m k, p, p, q, r -> " + ", ".join(outs)
+        outs += [f"p {m} {k}", f"{own()} {own()}" if swz else f"p {Mm[col_fmt.block_size]} {k}", own()]
+    outs.append((f"p {Mm[64]} {k}" if stripes else f"p {own()} {k}") if dbias else own())  # [P, M/64, K] stripes
+    return f"p {m} {k}, p, p, q, r -> " + ", ".join(outs), {**ks, **ms}
 
 
-def _quantize_cp(prim, params):
+def _quantize_cp(prim, params, avals_in, devices):
     row_fmt, col_fmt, layout, dbias = params["row_fmt"], params["col_fmt"], params["scale_layout"], params["dbias"]
 
     @custom_partitioning
@@ -167,8 +217,8 @@ def _quantize_cp(prim, params):
 
         return mesh, lower, tuple(NamedSharding(mesh, s) for s in outs), args
 
-    f.def_partition(partition=part, infer_sharding_from_operands=infer,
-                    sharding_rule=_quantize_rule(row_fmt, col_fmt, layout, dbias))
+    rule, sizes = _quantize_rule(row_fmt, col_fmt, layout, dbias, avals_in[0].shape, devices)
+    f.def_partition(partition=part, infer_sharding_from_operands=infer, sharding_rule=rule, **sizes)
     return f
 
 
@@ -211,19 +261,168 @@ def _amax_cp(prim, params, ndim, out_ndim):
     return f
 
 
+# ---- dequantize ---------------------------------------------------------------------------------------------------
+def dequantize_specs(mesh, shape, spec, fmt, scale_layout, mx_columnwise, transpose_out):
+    """(data, scale, window amax, out) PartitionSpec tuples for data[P, R, C] sharded as `spec` (see the docstring)."""
+    P, R, C = shape
+    p, r, c = _divisible(mesh, shape, spec)
+    granule = fmt.window_size if isinstance(fmt, NVFP4) and fmt.local_1x64 else fmt.block_size
+    if mx_columnwise:
+        r = None if (R // _size(mesh, r)) % granule else r
+    else:
+        c = None if (C // _size(mesh, c)) % granule else c
+    if scale_layout == "swizzled":  # scale matrix [rows (p, x), block counts]: x = C (MXFP8 columnwise) else R
+        X = C if mx_columnwise else R
+        x = c if mx_columnwise else r
+        if mx_columnwise:
+            r = None
+        else:
+            c = None
+        if P == 1:
+            p = None
+            x = None if (X // _size(mesh, x)) % 128 else x
+            scale = (x, None)
+        else:  # rows of one p are contiguous only while x is whole
+            x = None
+            p = None if (P // _size(mesh, p)) * X % 128 else p
+            scale = (p, None)
+        r, c = (r, x) if mx_columnwise else (x, c)
+    else:
+        scale = (p, r, c)
+    data = (p, r, c)
+    return data, scale, data, ((p, c, r) if transpose_out else data)
+
+
+def _dequantize_rule(fmt, scale_layout, mx_columnwise, transpose_out, amax_per_p, shape, devices):
+    """Shardy rule: data "p r c" with the block axis split into compound factors where the compact scales and the
+    1x64 window amaxes hold block counts (see _split); swizzled dims get factors of their own. Returns (rule,
+    factor sizes)."""
+    compact = scale_layout == "compact"
+    _, R, C = shape
+    Rm, rs = _split("r", R, _divisors(fmt, mx_columnwise, compact), devices)
+    Cm, cs = _split("c", C, _divisors(fmt, not mx_columnwise, compact), devices)
+    r, c = Rm[1], Cm[1]
+    if not compact:
+        scale = "s0 s1"
+    else:
+        scale = f"p {Rm[fmt.block_size]} {c}" if mx_columnwise else f"p {r} {Cm[fmt.block_size]}"
+    amax = "p" if amax_per_p else "a0"
+    wamax = f"p {r} {Cm[64]}" if isinstance(fmt, NVFP4) and fmt.local_1x64 else "w0"
+    out = f"p {c} {r}" if transpose_out else f"p {r} {c}"
+    return f"p {r} {c}, {scale}, {amax}, {wamax} -> {out}", {**rs, **cs}
+
+
+def _dequantize_cp(prim, params, avals_in, devices):
+    fmt, layout = params["fmt"], params["scale_layout"]
+    mx_col, transpose = params["mx_columnwise"], params["transpose_out"]
+    P = avals_in[0].shape[0]
+    amax_per_p = P > 1 and tuple(avals_in[2].shape) == (P,)
+    local_1x64 = isinstance(fmt, NVFP4) and fmt.local_1x64
+
+    @custom_partitioning
+    def f(*args):
+        return prim.bind(*args, local=True, **params)
+
+    def specs(mesh, arg_shapes):
+        return dequantize_specs(mesh, arg_shapes[0].shape, _spec(arg_shapes[0].sharding, 3), fmt, layout, mx_col,
+                                transpose)
+
+    def infer(mesh, arg_shapes, result_shape):
+        return NamedSharding(mesh, PartitionSpec(*specs(mesh, arg_shapes)[3]))
+
+    def part(mesh, arg_shapes, result_shape):
+        data, scale, wamax, out = specs(mesh, arg_shapes)
+        rep = NamedSharding(mesh, PartitionSpec(None))
+        args = (NamedSharding(mesh, PartitionSpec(*data)), NamedSharding(mesh, PartitionSpec(*scale)),
+                NamedSharding(mesh, PartitionSpec(data[0])) if amax_per_p else rep,
+                NamedSharding(mesh, PartitionSpec(*wamax)) if local_1x64 else rep)
+
+        def lower(*a):
+            return prim.bind(*a, local=True, **params)
+
+        return mesh, lower, NamedSharding(mesh, PartitionSpec(*out)), args
+
+    rule, sizes = _dequantize_rule(fmt, layout, mx_col, transpose, amax_per_p, avals_in[0].shape, devices)
+    f.def_partition(partition=part, infer_sharding_from_operands=infer, sharding_rule=rule, **sizes)
+    return f
+
+
+# ---- swizzle / unswizzle ------------------------------------------------------------------------------------------
+def swizzle_spec(mesh, shape, spec, whole_rows: bool):
+    """Operand and result spec of jf4_swizzle / jf4_unswizzle for an operand of `shape` sharded as `spec`.
+
+    whole_rows: the compact and padded matrices have the same number of rows (rows % 128 == 0), the condition for
+    sharding them at all; then each shard must hold whole 128-row tiles. Columns are always gathered."""
+    spec = list(_divisible(mesh, shape, spec))
+    rows = shape[-2]
+    if not whole_rows or (rows // _size(mesh, spec[-2])) % 128:
+        spec[-2] = None
+    spec[-1] = None
+    return tuple(spec)
+
+
+def _swizzle_cp(prim, params, avals_in, avals_out):
+    nd = len(avals_in[0].shape)
+    whole_rows = avals_in[0].shape[-2] == avals_out[0].shape[-2]
+    lead = [f"b{i}" for i in range(nd - 2)]
+    rows_out = "r" if whole_rows else "q"
+
+    @custom_partitioning
+    def f(a):
+        return prim.bind(a, local=True, **params)
+
+    def infer(mesh, arg_shapes, result_shape):
+        return NamedSharding(mesh, PartitionSpec(*swizzle_spec(mesh, arg_shapes[0].shape,
+                                                               _spec(arg_shapes[0].sharding, nd), whole_rows)))
+
+    def part(mesh, arg_shapes, result_shape):
+        spec = swizzle_spec(mesh, arg_shapes[0].shape, _spec(arg_shapes[0].sharding, nd), whole_rows)
+        local = dict(params)
+        if "rows" in local:  # jf4_unswizzle: each shard restores its own (whole-tile) rows
+            local["rows"] = params["rows"] // _size(mesh, spec[-2])
+        s = NamedSharding(mesh, PartitionSpec(*spec))
+
+        def lower(a):
+            return prim.bind(a, local=True, **local)
+
+        return mesh, lower, s, (s,)
+
+    f.def_partition(partition=part, infer_sharding_from_operands=infer,
+                    sharding_rule=f"{' '.join([*lead, 'r', 'c'])} -> {' '.join([*lead, rows_out, 'd'])}")
+    return f
+
+
 def _single_device(ctx) -> bool:
     ac = ctx.module_context.axis_context
     return getattr(ac, "num_devices", 2) == 1 or (hasattr(ac, "device_assignment") and ac.device_assignment is None)
 
 
+def _require_devices(prim) -> None:
+    """Make jit pass the device assignment when lowering a jaxpr holding `prim` (as it does for custom_partitioning
+    itself): without it the lowering context has no devices, `_single_device` is true and the sharding rule is
+    skipped (the custom call would then run on gathered operands). Private jax API (jax 0.10-0.12), guarded."""
+    try:
+        from jax._src import dispatch
+        dispatch.prim_requires_devices_during_lowering.add(prim)
+    except (ImportError, AttributeError):  # pragma: no cover - a jax without it
+        pass
+
+
 def lowering(prim, inner, kind: str):
     """A lowering rule for `prim`: `inner` for the per-shard (local=True) bind, else the custom_partitioning call."""
+    _require_devices(prim)
 
     def rule(ctx, *args, local=False, **params):
-        if local or not ctx.avals_in[0].shape or _single_device(ctx):
+        shape = ctx.avals_in[0].shape
+        if local or not shape or 0 in shape or _single_device(ctx):  # nothing to partition
             return inner(ctx, *args, **params)
+        devices = getattr(ctx.module_context.axis_context, "num_devices", None)
         if kind == "quantize":
-            f = _quantize_cp(prim, params)
+            f = _quantize_cp(prim, params, ctx.avals_in, devices)
+        elif kind == "dequantize":
+            f = _dequantize_cp(prim, params, ctx.avals_in, devices)
+        elif kind in ("swizzle", "unswizzle"):
+            f = _swizzle_cp(prim, params, ctx.avals_in, ctx.avals_out)
         else:
             f = _amax_cp(prim, params, len(ctx.avals_in[0].shape), len(ctx.avals_out[0].shape))
         return mlir.lower_fun(lambda *a: f(*a), multiple_results=prim.multiple_results)(ctx, *args)
