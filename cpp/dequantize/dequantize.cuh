@@ -58,6 +58,30 @@ __device__ __forceinline__ float E2M1Value(uint32_t code) {
   return __uint_as_float(mag | ((code & 8u) << 28));
 }
 
+// Exact fp32 values of the first kN (4 or 8) E2M1 codes packed in `word` (code i in bits 4i..4i+3). Two byte
+// permutes look up the upper 16 bits of each magnitude's fp32 pattern (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6:
+// 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0; byte 3 and byte 2 tables), a third interleaves
+// two elements' halves, and the sign moves from bit 3 of the nibble to bit 31. Same values as E2M1Value, ~3
+// instructions per element instead of ~9.
+template <int kN>
+__device__ __forceinline__ void E2M1xN(uint32_t word, float (&q)[kN]) {
+  static_assert(kN == 4 || kN == 8, "E2M1xN decodes 4 or 8 codes");
+  constexpr uint32_t kByte3Lo = 0x3F3F3F00u, kByte3Hi = 0x40404040u;  // magnitudes 0..3, 4..7
+  constexpr uint32_t kByte2Lo = 0xC0800000u, kByte2Hi = 0xC0804000u;
+#pragma unroll
+  for (int h = 0; h < kN / 4; ++h) {
+    const uint32_t sel = (word >> (16 * h)) & 0x7777u;
+    const uint32_t b3 = __byte_perm(kByte3Lo, kByte3Hi, sel), b2 = __byte_perm(kByte2Lo, kByte2Hi, sel);
+    const uint32_t x01 = __byte_perm(b2, b3, 0x5140u), x23 = __byte_perm(b2, b3, 0x7362u);
+    const uint32_t hi[4] = {x01 << 16, x01 & 0xFFFF0000u, x23 << 16, x23 & 0xFFFF0000u};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int k = 4 * h + i;
+      q[k] = __uint_as_float(hi[i] | ((word << (28 - 4 * k)) & 0x80000000u));
+    }
+  }
+}
+
 // Exact float of an E4M3 / E5M2 code (NaN codes give NaN, E5M2 infinities give infinities).
 template <int kKind>
 __device__ __forceinline__ float Fp8Value(uint32_t code) {
@@ -158,11 +182,15 @@ __device__ __forceinline__ void DecodeSegment(const Args& a, int64_t row, int64_
       const float amax = __ldg(a.amax + (a.amax_per_p ? row / a.R : 0));
       f = __fmul_rn(__fmul_rn(s_b, amax), cvt::kInv2688());  // (s_b * amax) * fp32(1/2688)
     }
+    float q[2][8];
+    E2M1xN<8>(w.x, q[0]);
+    E2M1xN<8>(w.y, q[1]);
+    if (local) {  // uniform across the launch: one loop or the other
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const uint32_t word = i < 8 ? w.x : w.y;
-      const float q = E2M1Value((word >> (4 * (i & 7))) & 0xFu);
-      v[i] = local ? __fdiv_rn(__fmul_rn(q, s_b), enc) : __fmul_rn(q, f);
+      for (int i = 0; i < 16; ++i) v[i] = __fdiv_rn(__fmul_rn(q[i >> 3][i & 7], s_b), enc);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(q[i >> 3][i & 7], f);
     }
     if (a.flags & kRht) RhtInverse16(v);
   } else {
@@ -180,7 +208,12 @@ __device__ __forceinline__ void DecodeSegment(const Args& a, int64_t row, int64_
     if (a.flags & kMxColumnwise) {  // blocks along R: element (r, c + i) uses scale [p, r / 32, c + i]
       const int64_t p = row / a.R, mb = (row - p * a.R) >> 5;
       uint32_t sc[4] = {0u, 0u, 0u, 0u};
-      if (a.flags & kSwizzled) {  // scale matrix [P * C, R / 32]: row p * C + c + i, column mb
+      if ((a.flags & kSwizzled) && a.vector_data) {
+        // C % 16 == 0: rows p * C + c .. + 15 lie in one 32-row group of one tile, 16 bytes apart
+        const uint8_t* s = a.scale + layout::SwizzledIndex(p * C + c, mb, a.scale_cols_padded);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) sc[i >> 2] |= uint32_t(__ldg(s + 16 * i)) << (8 * (i & 3));
+      } else if (a.flags & kSwizzled) {  // scale matrix [P * C, R / 32]: row p * C + c + i, column mb
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
           if (i < valid) {
@@ -235,36 +268,165 @@ __global__ void __launch_bounds__(kThreads) RowsKernel(const Args a, int64_t num
   Store16<Out>(static_cast<Out*>(a.out) + row * a.C + c, v, valid, a.vector_out);
 }
 
-// NVFP4 with kTransposeOut: out[p] = stored[p].T, [C, R]. Grid: P * ceil(R / 64) * ceil(C / 64) blocks.
+// Loads `kBytes` (2, 4 or 8) bytes as the low bytes of a uint2.
+template <int kBytes>
+__device__ __forceinline__ uint2 LoadRun(const uint8_t* p) {
+  if constexpr (kBytes == 8) return __ldg(reinterpret_cast<const uint2*>(p));
+  if constexpr (kBytes == 4) return make_uint2(__ldg(reinterpret_cast<const uint32_t*>(p)), 0u);
+  return make_uint2(__ldg(reinterpret_cast<const uint16_t*>(p)), 0u);
+}
+
+// Packs out-dtype bits of v[0..16/sizeof(Out)) into one 16-byte vector.
+template <typename Out, int kV>
+__device__ __forceinline__ uint4 PackRun(const float (&v)[kV]) {
+  if constexpr (sizeof(Out) == 4) {
+    return make_uint4(OutBits<Out>(v[0]), OutBits<Out>(v[1]), OutBits<Out>(v[2]), OutBits<Out>(v[3]));
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = OutBits<Out>(v[2 * i]) | (OutBits<Out>(v[2 * i + 1]) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// PackRun for values known not to be NaN: paired conversions (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32), same bits.
+template <typename Out, int kV>
+__device__ __forceinline__ uint4 PackRunFinite(const float (&v)[kV]) {
+  if constexpr (sizeof(Out) == 4) {
+    return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (std::is_same<Out, __half>::value) {
+        const __half2 h = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
+        w[i] = *reinterpret_cast<const uint32_t*>(&h);
+      } else {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+        w[i] = *reinterpret_cast<const uint32_t*>(&h);
+      }
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// FlatKernel: NVFP4 without RHT whose output keeps the stored layout (1D, 2D, 1x64), and MXFP8 rowwise, with
+// 16-byte aligned data and output. As C % 16 == 0 (NVFP4) / C % 32 == 0 (MXFP8 rowwise), a run of kV = 16 /
+// sizeof(Out) elements never crosses a block or a row, so the tensor is a flat array of runs and the compact scale
+// of element e is e / 16 (e / 32), its 1x64 window e / 64. Thread t of block b decodes runs
+// (b * kUnroll + j) * kThreads + t, j < kUnroll: each warp-wide load and 16-byte store covers one contiguous span,
+// and every thread issues all its loads before its first store.
+constexpr int kUnroll = 4;
+
+template <typename Out, int kKind, typename Idx, bool kLocal>
+__global__ void __launch_bounds__(kThreads) FlatKernel(const Args a, Idx num_runs) {
+  constexpr int kV = 16 / int(sizeof(Out));
+  constexpr int kBytes = kKind == kNvfp4 ? kV / 2 : kV;
+  constexpr int kShift = kKind == kNvfp4 ? 4 : 5;  // log2 of the block size
+  const Idx C = Idx(a.C);
+  uint2 raw[kUnroll];
+  float mult[kUnroll], div[kUnroll];
+#pragma unroll
+  for (int j = 0; j < kUnroll; ++j) {
+    const Idx run = (Idx(blockIdx.x) * kUnroll + j) * kThreads + threadIdx.x;
+    if (run >= num_runs) break;
+    const Idx e = run * kV;
+    raw[j] = LoadRun<kBytes>(a.data + (kKind == kNvfp4 ? e / 2 : e));
+    Idx si = e >> kShift;
+    if (a.flags & kSwizzled) {
+      const Idx row = e / C;
+      si = Idx(layout::SwizzledIndex(row, (e - row * C) >> kShift, a.scale_cols_padded));
+    }
+    const uint32_t code = __ldg(a.scale + si);
+    if constexpr (kKind != kNvfp4) {
+      mult[j] = E8M0Value(code);
+    } else if constexpr (kLocal) {
+      mult[j] = cvt::E4M3Value(code);
+      div[j] = cvt::WindowEncodeScale(__ldg(a.window_amax + (e >> 6)));
+    } else {
+      const float amax = __ldg(a.amax + (a.amax_per_p ? e / (Idx(a.R) * C) : Idx(0)));
+      mult[j] = __fmul_rn(__fmul_rn(cvt::E4M3Value(code), amax), cvt::kInv2688());
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kUnroll; ++j) {
+    const Idx run = (Idx(blockIdx.x) * kUnroll + j) * kThreads + threadIdx.x;
+    if (run >= num_runs) break;
+    float v[kV];
+    if constexpr (kKind == kNvfp4) {
+      E2M1xN<kV>(raw[j].x, v);
+#pragma unroll
+      for (int i = 0; i < kV; ++i) v[i] = kLocal ? __fdiv_rn(__fmul_rn(v[i], mult[j]), div[j]) : __fmul_rn(v[i], mult[j]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kV; ++i) {
+        const uint32_t word = i < 4 ? raw[j].x : raw[j].y;
+        v[i] = __fmul_rn(Fp8Value<kKind>((word >> (8 * (i & 3))) & 0xFFu), mult[j]);
+      }
+    }
+    // A finite multiplier with finite codes (NVFP4 has no NaN codes) gives no NaN: pack without the NaN fix-up.
+    const bool fast = kKind == kNvfp4 && !kLocal && isfinite(mult[j]);
+    reinterpret_cast<uint4*>(a.out)[run] = fast ? PackRunFinite<Out, kV>(v) : PackRun<Out, kV>(v);
+  }
+}
+
+// NVFP4 with kTransposeOut: out[p] = stored[p].T, [C, R]. A 256-thread block owns a tile of kTR stored rows x kTC
+// stored columns: thread t decodes the segments (row t % 64 + 64 s, columns 16 * (t / 64) ...), s < 2, writes them
+// into shared memory as output bits (a warp writes 32 consecutive tile columns: no bank conflicts), then the block
+// writes the kTC output rows of kTR elements as 16-byte runs, consecutive threads on consecutive runs.
+// Grid: P * ceil(R / kTR) * ceil(C / kTC) blocks.
+constexpr int kTR = 128, kTC = 64;
+
 template <typename Out>
 __global__ void __launch_bounds__(kThreads) TransposeKernel(const Args a) {
-  __shared__ float tile[kTile][kTile + 1];
+  using Bits = typename std::conditional<sizeof(Out) == 4, uint32_t, uint16_t>::type;
+  constexpr int kV = 16 / int(sizeof(Out));
+  constexpr int kPitch = kTR + kV;  // elements per tile row: 16-byte aligned rows, rows shifted by 4 banks
+  __shared__ __align__(16) Bits tile[kTC * kPitch];
   const int t = threadIdx.x;
-  const int64_t col_tiles = (a.C + kTile - 1) / kTile, row_tiles = (a.R + kTile - 1) / kTile;
+  const int64_t col_tiles = (a.C + kTC - 1) / kTC, row_tiles = (a.R + kTR - 1) / kTR;
   int64_t blk = blockIdx.x;
   const int64_t ct = blk % col_tiles;
   blk /= col_tiles;
   const int64_t rt = blk % row_tiles, p = blk / row_tiles;
-  const int64_t r0 = rt * kTile, c0 = ct * kTile;
-  const int lr = t >> 2, cg = t & 3;  // stored row r0 + lr, columns c0 + 16 * cg ...
-  const int64_t r = r0 + lr, c = c0 + cg * kSeg;
-  float v[16];
-  if (r < a.R && c < a.C) {  // C % 16 == 0: segments are whole
-    DecodeSegment<kNvfp4>(a, p * a.R + r, c, kSeg, v);
-  } else {
+  const int64_t r0 = rt * kTR, c0 = ct * kTC;
+  const int lr = t & 63, cg = t >> 6;
+  float v[2][16];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = 0.0f;
+  for (int s = 0; s < 2; ++s) {
+    const int64_t r = r0 + lr + 64 * s, c = c0 + cg * kSeg;
+    if (r < a.R && c < a.C) {  // C % 16 == 0: segments are whole
+      DecodeSegment<kNvfp4>(a, p * a.R + r, c, kSeg, v[s]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[s][i] = 0.0f;
+    }
   }
 #pragma unroll
-  for (int i = 0; i < 16; ++i) tile[cg * kSeg + i][lr] = v[i];
-  __syncthreads();
-  const int64_t orow = c0 + lr, ocol = r0 + cg * kSeg;  // output row (a stored column), 16 output columns
-  if (orow >= a.C || ocol >= a.R) return;
+  for (int s = 0; s < 2; ++s) {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) v[i] = tile[lr][cg * kSeg + i];
-  const int64_t left = a.R - ocol;
-  Store16<Out>(static_cast<Out*>(a.out) + (p * a.C + orow) * a.R + ocol, v, left < kSeg ? int(left) : kSeg,
-               a.vector_out);
+    for (int i = 0; i < 16; ++i) tile[(cg * kSeg + i) * kPitch + lr + 64 * s] = Bits(OutBits<Out>(v[s][i]));
+  }
+  __syncthreads();
+  constexpr int kRunsPerRow = kTR / kV, kRuns = kTC * kRunsPerRow;
+  Bits* out = static_cast<Bits*>(a.out);
+#pragma unroll
+  for (int k = t; k < kRuns; k += kThreads) {
+    const int orl = k / kRunsPerRow, ocl = (k - orl * kRunsPerRow) * kV;
+    const int64_t orow = c0 + orl, ocol = r0 + ocl;  // output row (a stored column) and first output column
+    if (orow >= a.C || ocol >= a.R) continue;
+    const Bits* src = tile + orl * kPitch + ocl;
+    Bits* dst = out + (p * a.C + orow) * a.R + ocol;
+    if (a.vector_out && ocol + kV <= a.R) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      const int64_t valid = a.R - ocol;
+#pragma unroll
+      for (int i = 0; i < kV; ++i) {
+        if (i < valid) dst[i] = src[i];
+      }
+    }
+  }
 }
 
 // Host side: fills the derived fields of `a` (P, R, C, flags, pointers set by the caller) and launches. Returns
@@ -280,17 +442,34 @@ cudaError_t Launch(Args a, cudaStream_t stream) {
                   (!mx_col_compact || reinterpret_cast<uintptr_t>(a.scale) % 16 == 0);
   if (kKind == kNvfp4 && (a.flags & kTransposeOut)) {
     a.vector_out = (a.R * int64_t(sizeof(Out))) % 16 == 0 && reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
-    const int64_t blocks = a.P * ((a.R + kTile - 1) / kTile) * ((a.C + kTile - 1) / kTile);
+    const int64_t blocks = a.P * ((a.R + kTR - 1) / kTR) * ((a.C + kTC - 1) / kTC);
     if (blocks >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
     TransposeKernel<Out><<<unsigned(blocks), kThreads, 0, stream>>>(a);
-  } else {
-    a.vector_out = (a.C * int64_t(sizeof(Out))) % 16 == 0 && reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
-    const int64_t segments = a.P * a.R * a.segs_per_row;
-    const int64_t blocks = (segments + kThreads - 1) / kThreads;
-    if (blocks >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
-    a.small = blocks * kThreads < (int64_t(1) << 32);
-    RowsKernel<Out, kKind><<<unsigned(blocks), kThreads, 0, stream>>>(a, segments);
+    return cudaGetLastError();
   }
+  a.vector_out = (a.C * int64_t(sizeof(Out))) % 16 == 0 && reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
+  const bool flat = (kKind == kNvfp4 ? !(a.flags & kRht) : !(a.flags & kMxColumnwise)) && a.vector_data &&
+                    a.vector_out && reinterpret_cast<uintptr_t>(a.data) % 16 == 0;
+  if (flat) {
+    const int64_t runs = n / (16 / int64_t(sizeof(Out)));
+    const int64_t blocks = (runs + kThreads * kUnroll - 1) / (kThreads * kUnroll);
+    if (blocks >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
+    const bool small = n < (int64_t(1) << 31);
+    if (kKind == kNvfp4 && (a.flags & k1x64)) {
+      constexpr bool kL = kKind == kNvfp4;  // (MXFP8 never takes this branch: no 1x64 instantiation)
+      if (small) FlatKernel<Out, kKind, uint32_t, kL><<<unsigned(blocks), kThreads, 0, stream>>>(a, uint32_t(runs));
+      else FlatKernel<Out, kKind, int64_t, kL><<<unsigned(blocks), kThreads, 0, stream>>>(a, runs);
+    } else {
+      if (small) FlatKernel<Out, kKind, uint32_t, false><<<unsigned(blocks), kThreads, 0, stream>>>(a, uint32_t(runs));
+      else FlatKernel<Out, kKind, int64_t, false><<<unsigned(blocks), kThreads, 0, stream>>>(a, runs);
+    }
+    return cudaGetLastError();
+  }
+  const int64_t segments = a.P * a.R * a.segs_per_row;
+  const int64_t blocks = (segments + kThreads - 1) / kThreads;
+  if (blocks >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
+  a.small = blocks * kThreads < (int64_t(1) << 32);
+  RowsKernel<Out, kKind><<<unsigned(blocks), kThreads, 0, stream>>>(a, segments);
   return cudaGetLastError();
 }
 
