@@ -25,11 +25,10 @@ Usage: python benchmarks/dense.py [--shapes default|small|4096->4096,...] [--rec
 
 from __future__ import annotations
 
-import argparse
-import json
+import functools
 import math
 import os
-import platform
+import sys
 import time
 
 import jax
@@ -38,6 +37,9 @@ import jax.numpy as jnp
 from jax_fp4 import dense, recipes
 from jax_fp4._src import ffi
 from jax_fp4.gemm import native_gemm_available
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/_common.py, also under python -P
+import _common as bench  # noqa: E402
 
 SHAPES = {"4096->4096": (16384, 4096, 4096), "4096->14336": (16384, 4096, 14336)}  # name: (M tokens, K, N)
 SMALL_SHAPES = {"small 512->512": (1024, 512, 512)}
@@ -87,15 +89,6 @@ def make_step(layer):
 
 
 # ---- accounting -------------------------------------------------------------------------------------------------
-def leaf_bytes(leaf) -> int:
-    """Bytes of an array (or ShapeDtypeStruct): float4 at 4 bits, PRNG keys at their key-data size."""
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-        leaf = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
-    dt = jnp.dtype(leaf.dtype)
-    bits = 4 if dt.name.startswith("float4") else 8 * dt.itemsize
-    return -(-math.prod(leaf.shape) * bits // 8)
-
-
 def residual_bytes(layer, args) -> int:
     """Bytes of the array leaves of the layer's pullback (jax.vjp(layer, x, w, b)[1]), by abstract evaluation.
 
@@ -108,7 +101,7 @@ def residual_bytes(layer, args) -> int:
         pullback = jax.vjp(lambda x, w, b: layer(x, w, b, key), x, w, b)[1]
         return [leaf for leaf in jax.tree.leaves(pullback) if isinstance(leaf, jax.Array)]
 
-    return sum(leaf_bytes(leaf) for leaf in jax.tree.leaves(jax.eval_shape(res, x, w, b, key)))
+    return bench.tree_bytes(jax.eval_shape(res, x, w, b, key))
 
 
 def memory_stats(compiled) -> dict | None:
@@ -121,25 +114,6 @@ def memory_stats(compiled) -> dict | None:
     keys = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
             "peak_memory_in_bytes")
     return {k: int(getattr(m, k)) for k in keys if getattr(m, k, None) is not None}
-
-
-def time_calls(fn, argsets, iters, repeats) -> float:
-    """Best seconds per call of fn(*argsets[i % len(argsets)]) (2 warm-up calls, then back-to-back calls)."""
-    out = None
-    for i in range(2):
-        out = jax.block_until_ready(fn(*argsets[i % len(argsets)]))
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(fn(*argsets[0]))
-    n = max(1, min(iters, int(REPEAT_BUDGET_S / max(time.perf_counter() - t0, 1e-9))))
-    best = float("inf")
-    for _ in range(repeats):
-        del out
-        t0 = time.perf_counter()
-        for i in range(n):
-            out = fn(*argsets[i % len(argsets)])
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t0) / n)
-    return best
 
 
 def make_argsets(m, k, n, nbuf):
@@ -156,18 +130,6 @@ def make_argsets(m, k, n, nbuf):
 
 
 # ---- CLI --------------------------------------------------------------------------------------------------------
-def parse_shapes(spec: str) -> dict:
-    if spec == "default":
-        return SHAPES
-    if spec == "small":
-        return SMALL_SHAPES
-    known = {**SHAPES, **SMALL_SHAPES}
-    bad = [s for s in spec.split(",") if s not in known]
-    if bad:
-        raise SystemExit(f"unknown shape(s) {bad}; known: default, small, {', '.join(known)}")
-    return {s: known[s] for s in spec.split(",")}
-
-
 def parse_recipes(spec: str | None, layers: dict) -> dict:
     if not spec:
         return layers
@@ -178,30 +140,21 @@ def parse_recipes(spec: str | None, layers: dict) -> dict:
     return {name: fn for name, fn in layers.items() if name == "bf16" or name in names}  # bf16: the baseline
 
 
-def _f(x, spec, missing="n/a"):
-    return missing if x is None else format(x, spec)
+_f = functools.partial(bench.fmt, missing="n/a")
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "dense.json"))
-    ap.add_argument("--shapes", default="default", help="default | small (x [1024, 512], w [512, 512]) | "
-                    "comma list of " + ", ".join(SHAPES))
+    ap = bench.base_parser(__doc__, "dense", iters=10, repeats=3,
+                     shapes_help="default | small (x [1024, 512], w [512, 512]) | comma list of " + ", ".join(SHAPES))
     ap.add_argument("--recipes", default=None, help="comma list of recipe names (bf16 always runs: the baseline)")
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    shapes, layers = parse_shapes(args.shapes), parse_recipes(args.recipes, all_layers())
+    shapes = bench.parse_shapes(args.shapes, SHAPES, SMALL_SHAPES, dims=None)
+    layers = parse_recipes(args.recipes, all_layers())
 
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
-        print(f"warning: default device is {dev} (not a GPU); numbers are not representative")
-    if not ffi.HAS_CUDA_KERNELS:
-        print(f"warning: CUDA extension missing ({ffi.import_error()}); quantization runs the reference")
+    dev = bench.setup_device("quantization")
     native = native_gemm_available()
     results = {
-        "device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform, "jax": jax.__version__,
-        "python": platform.python_version(), "has_cuda_kernels": ffi.HAS_CUDA_KERNELS, "native_gemm": native,
+        **bench.run_info(dev), "native_gemm": native,
         "method": (f"one compiled step over <= {NBUF} rotated input sets, 2 warm-up calls, best of {args.repeats} x "
                    f"<= {args.iters} calls, block_until_ready"),
         "targets": {"recipe": TARGET_RECIPE, "step_ratio_max": TARGET_STEP, "residual_ratio_max": TARGET_RESIDUAL},
@@ -214,9 +167,7 @@ def main():
         set_bytes = 2 * (m * k + k * n + m * n + n)
         nbuf = max(1, min(NBUF, MEM_CAP_BYTES // set_bytes))
         argsets = make_argsets(m, k, n, nbuf)
-        gbufs = [(a[3],) for a in argsets]
-        t_copy = time_calls(jax.jit(jnp.copy), gbufs, args.iters, args.repeats)
-        results["copy_GBps"][sname] = 2 * m * n * 2 / t_copy / 1e9
+        _, results["copy_GBps"][sname] = bench.copy_bandwidth([a[3] for a in argsets], args.iters, args.repeats)
         print(f"[{sname}] x [{m}, {k}] w [{k}, {n}], {nbuf} buffer set(s); copy bandwidth of g "
               f"{results['copy_GBps'][sname] / 1e3:.2f} TB/s", flush=True)
         flops = 6 * m * k * n
@@ -232,7 +183,7 @@ def main():
                 compiled = lowered.compile()
                 row["compile_s"] = time.perf_counter() - t0
                 row["memory_analysis"] = memory_stats(compiled)
-                t = time_calls(compiled, argsets, args.iters, args.repeats)
+                t, _ = bench.time_calls(compiled, argsets, args.iters, args.repeats, warmup=2, budget_s=REPEAT_BUDGET_S)
                 del compiled, lowered
                 row["ms"], row["TFLOPs"] = t * 1e3, flops / t / 1e12
             except Exception as e:  # e.g. jax.nn scaled_dot_general without cuDNN block-scaled GEMM: n/a
@@ -247,20 +198,17 @@ def main():
             rows.append(row)
             print(f"  {name:<22} {_f(row['ms'], '9.3f'):>9} ms  residuals {_f(row['residual_bytes'], ',')} B  "
                   f"compile {_f(row.get('compile_s'), '.1f')} s (t={time.perf_counter() - t_start:.0f}s)", flush=True)
-        del argsets, gbufs
+        del argsets
 
-    print(f"\ndevice: {results['device']}  jax {results['jax']}  native block-scaled GEMM: {native}  "
-          f"({results['method']})")
+    print(f"\n{bench.describe_run(results)}  native block-scaled GEMM: {native}")
     print("step = fwd + dgrad + wgrad + dbias; ratios are to the bf16 row of the same shape; residuals = array "
           "leaves of the layer's VJP (float4 at 4 bits); TFLOP/s = 6*M*K*N / step")
-    hdr = (f"{'recipe':<22} {'shape':<16} {'step ms':>9} {'vs bf16':>8} {'residual MB':>12} {'vs bf16':>8} "
-           f"{'TFLOP/s':>8}")
-    print(hdr)
-    print("-" * len(hdr))
-    for r in rows:
-        mb = None if r["residual_bytes"] is None else r["residual_bytes"] / 2**20
-        print(f"{r['recipe']:<22} {r['shape_name']:<16} {_f(r['ms'], '9.3f'):>9} {_f(r['step_ratio'], '7.3f'):>8} "
-              f"{_f(mb, '12.2f'):>12} {_f(r['residual_ratio'], '7.3f'):>8} {_f(r['TFLOPs'], '8.1f'):>8}")
+    bench.print_table(
+        [("recipe", "<22"), ("shape", "<16"), ("step ms", ">9"), ("vs bf16", ">8"), ("residual MB", ">12"),
+         ("vs bf16", ">8"), ("TFLOP/s", ">8")],
+        [(r["recipe"], r["shape_name"], _f(r["ms"], "9.3f"), _f(r["step_ratio"], "7.3f"),
+          _f(None if r["residual_bytes"] is None else r["residual_bytes"] / 2**20, "12.2f"),
+          _f(r["residual_ratio"], "7.3f"), _f(r["TFLOPs"], "8.1f")) for r in rows])
 
     print(f"\ntargets ({TARGET_RECIPE}): step <= {TARGET_STEP}x bf16, residual bytes <= {TARGET_RESIDUAL}x bf16")
     results["targets"]["by_shape"] = {}
@@ -275,10 +223,7 @@ def main():
         print("  note: no native block-scaled GEMM on this device; quantized steps use the emulated GEMM")
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wrote {args.out}")
+    bench.write_results(results, args.out)
 
 
 if __name__ == "__main__":

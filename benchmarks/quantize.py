@@ -22,24 +22,23 @@ Usage: python benchmarks/quantize.py [--shapes default|small|MxK,...] [--variant
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import os
-import platform
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jax_fp4
 from jax_fp4 import MXFP8, NVFP4, reference
-from jax_fp4._src import ffi
 from jax_fp4._src.primitives.quantize import quantize_3d
 from jax_fp4._src.primitives.rht_amax import rht_amax
 from jax_fp4.reference.sr import philox_key
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/_common.py, also under python -P
+import _common as bench  # noqa: E402
 
 try:
     from jax._src.cudnn.scaled_matmul_stablehlo import quantize as jnn_quantize
@@ -50,15 +49,8 @@ except Exception as e:  # private jax API: any failure means n/a
 else:
     JNN_IMPORT_ERROR = None
 
-SHAPES = {
-    "square 8192x8192": (8192, 8192),
-    "16384x4096": (16384, 4096),
-    "llama3-8b mlp down 16384x14336": (16384, 14336),
-}
-SMALL_SHAPES = {"small 1024x2048": (1024, 2048)}
 K = 3  # rotated buffers per call
 KEY = jax.random.key(0)
-REPEAT_BUDGET_S = 0.5  # cap on one timed repeat (slow functions run fewer than `iters` calls)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,37 +166,10 @@ def jnn_fn(v: Variant):
     return (lambda x: one(x)) if v.row is None or v.col is None else (lambda x: (one(x), one(x.T)))
 
 
-# ---- timing / accounting ----------------------------------------------------------------------------------------
-def time_fn(fn, bufs, auxs, iters, repeats, keep=False):
-    """(best seconds per single-buffer application of fn(x, *aux), outputs of the last call if keep)."""
-    f = jax.jit(lambda xs, ays: tuple(fn(x, *a) for x, a in zip(xs, ays, strict=True)))
-    jax.block_until_ready(f(bufs, auxs))  # compile + warm-up
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(f(bufs, auxs))
-    n = max(1, min(iters, int(REPEAT_BUDGET_S / max(time.perf_counter() - t0, 1e-9))))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            out = f(bufs, auxs)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t0) / (n * len(bufs)))
-    return best, (out if keep else None)
-
-
+# ---- accounting -------------------------------------------------------------------------------------------------
 def out_bytes(fn, x, *aux) -> int:
     """Bytes of every leaf fn(x, *aux) returns: float4 at 4 bits, everything else at its itemsize."""
-    total = 0
-    for leaf in jax.tree_util.tree_leaves(jax.eval_shape(fn, x, *aux)):
-        dt = jnp.dtype(leaf.dtype)
-        bits = 4 if dt.name.startswith("float4") else 8 * dt.itemsize
-        total += -(-math.prod(leaf.shape) * bits // 8)
-    return total
-
-
-def _bits(a) -> np.ndarray:
-    a = np.asarray(a)
-    return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(f"u{a.dtype.itemsize}")
+    return bench.tree_bytes(jax.eval_shape(fn, x, *aux))
 
 
 def check_vs_reference(v: Variant, got, want) -> bool:
@@ -212,109 +177,43 @@ def check_vs_reference(v: Variant, got, want) -> bool:
     qs = [got] if v.axis is not None else [q for q in got[:2] if q is not None]
     ok = True
     for q, r in zip(qs, want, strict=False):  # want may end with dbias
-        ok &= np.array_equal(_bits(q.data), _bits(r.data))
+        ok &= bench.bits_equal(q.data, r.data)
         if v.layout == "compact":
-            ok &= np.array_equal(_bits(q.scale), _bits(r.scale))
+            ok &= bench.bits_equal(q.scale, r.scale)
     return bool(ok)
 
 
-def parse_shapes(spec: str) -> dict:
-    if spec == "default":
-        return SHAPES
-    if spec == "small":
-        return SMALL_SHAPES
-    shapes = {}
-    for s in spec.split(","):
-        m, k = (int(t) for t in s.lower().split("x"))
-        shapes[f"{m}x{k}"] = (m, k)
-    return shapes
-
-
-def parse_variants(spec: str | None) -> list[Variant]:
-    if not spec:
-        return VARIANTS
-    picked = []
-    for s in (t.strip() for t in spec.split(",")):
-        hit = [v for i, v in enumerate(VARIANTS, 1) if s in (v.id, v.name, str(i))]
-        if not hit:
-            known = ", ".join(v.id for v in VARIANTS)
-            raise SystemExit(f"unknown variant {s!r}; known: {known} (or 1..{len(VARIANTS)})")
-        picked += [v for v in hit if v not in picked]
-    return picked
-
-
-def _fmt(x, spec, missing="-"):
-    return missing if x is None else format(x, spec)
-
-
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "quantize.json"))
-    ap.add_argument("--shapes", default="default", help="default | small (1024x2048) | comma list of MxK")
-    ap.add_argument("--variants", default=None, help="comma list of variant ids / names / 1-based numbers")
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
-    shapes, variants = parse_shapes(args.shapes), parse_variants(args.variants)
-
-    dev = jax.devices()[0]
-    on_gpu = dev.platform == "gpu"
-    if not on_gpu:
-        print(f"warning: default device is {dev} (not a GPU); numbers are not representative")
-    if not ffi.HAS_CUDA_KERNELS:
-        print(f"warning: CUDA extension missing ({ffi.import_error()}); 'jf4_quantize' runs the reference")
     if JNN_IMPORT_ERROR:
         print(f"note: jax.nn quantizer unavailable ({JNN_IMPORT_ERROR}); its column reads n/a")
-    results = {
-        "device": getattr(dev, "device_kind", str(dev)),
-        "platform": dev.platform,
-        "jax": jax.__version__,
-        "python": platform.python_version(),
-        "has_cuda_kernels": ffi.HAS_CUDA_KERNELS,
-        "method": f"jit over {K} rotated buffers, best of {args.repeats} x <= {args.iters} calls, block_until_ready",
-        "copy_GBps": {},
-        "rows": [],
-    }
-    print(f"device: {results['device']}  jax {results['jax']}  ({results['method']})", flush=True)
-    rows = results["rows"]
-    t_start = time.perf_counter()
-    for si, (sname, shape) in enumerate(shapes.items()):
-        bufs = [jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16) for k in jax.random.split(KEY, K)]
-        jax.block_until_ready(bufs)
+    args, shapes, variants, results = bench.start_matrix_run(__doc__, "quantize", VARIANTS, "'jf4_quantize'", K)
+    timing = dict(iters=args.iters, repeats=args.repeats)
+    rows, t_start = results["rows"], time.perf_counter()
+    for si, sname, shape, bufs, copy_gbs in bench.shape_buffers(shapes, results, K, KEY, **timing):
         x_bytes = math.prod(shape) * 2
-        no_aux = [()] * K
-        t_copy, _ = time_fn(jnp.copy, bufs, no_aux, args.iters, args.repeats)
-        copy_gbs = 2 * x_bytes / t_copy / 1e9
-        results["copy_GBps"][sname] = copy_gbs
-        print(f"[{sname}] copy bandwidth {copy_gbs / 1e3:.2f} TB/s ({t_copy * 1e6:.1f} µs)", flush=True)
         first = si == 0
         for v in variants:
             fn = e2e_fn(v)
-            if first and on_gpu and ffi.HAS_CUDA_KERNELS and "jf4_quantize" not in jax.jit(fn).lower(bufs[0]).as_text():
+            if first and bench.kernels_missing(fn, bufs[:1], ["jf4_quantize"]):
                 print(f"warning: {v.id}: no jf4_quantize custom call in the lowering (reference path timed)")
-            t_e2e, got = time_fn(fn, bufs, no_aux, args.iters, args.repeats, keep=first)
+            t_e2e, got = bench.time_over_buffers(fn, bufs, **timing, keep=first)
             timed = [("e2e", t_e2e, out_bytes(fn, bufs[0]))]
             if v.kernel_only:
                 aux = jax.jit(aux_fn(v))
                 auxs = [jax.block_until_ready(aux(b)) for b in bufs]
                 kfn = kernel_fn(v)
-                t_k, _ = time_fn(kfn, bufs, auxs, args.iters, args.repeats)
+                t_k, _ = bench.time_over_buffers(kfn, bufs, **timing, auxs=auxs)
                 timed.append(("kernel", t_k, out_bytes(kfn, bufs[0], *auxs[0])))
                 del auxs
             t_ref = bit_exact = None
             if first:  # the reference only on the first shape (compile time)
-                t_ref, want = time_fn(ref_fn(v), bufs[:1], no_aux[:1], args.iters, args.repeats, keep=True)
-                try:
-                    bit_exact = check_vs_reference(v, got[0], want[0])
-                except Exception as e:  # e.g. a host copy of float4 unsupported: report, keep timing
-                    print(f"note: {v.id}: reference check skipped ({type(e).__name__}: {str(e)[:200]})")
-                if bit_exact is False:
-                    print(f"warning: {v.id} [{sname}]: output differs from the reference")
+                t_ref, want = bench.time_over_buffers(ref_fn(v), bufs[:1], **timing, keep=True)
+                bit_exact = bench.bit_exact_check(f"{v.id} [{sname}]", check_vs_reference, v, got[0], want[0])
                 del got, want
             t_jnn, jfn = None, jnn_fn(v)
             if jfn is not None:
                 try:
-                    t_jnn, _ = time_fn(jfn, bufs, no_aux, args.iters, args.repeats)
+                    t_jnn, _ = bench.time_over_buffers(jfn, bufs, **timing)
                 except Exception as e:  # private jax API: report n/a
                     print(f"note: jax.nn quantize failed for {v.id}: {type(e).__name__}: {str(e)[:200]}")
             for mode, t, ob in timed:
@@ -322,10 +221,8 @@ def main():
                 row = {
                     "variant": v.name, "id": v.id, "shape_name": sname, "shape": list(shape), "mode": mode,
                     "us": t * 1e6, "bytes": x_bytes + ob, "GBps": gbs, "pct_copy_bw": 100 * gbs / copy_gbs,
-                    "ref_us": None if t_ref is None else t_ref * 1e6,
-                    "jnn_us": None if t_jnn is None else t_jnn * 1e6,
-                    "speedup_vs_ref": None if t_ref is None else t_ref / t,
-                    "speedup_vs_jnn": None if t_jnn is None else t_jnn / t,
+                    "ref_us": bench.micros(t_ref), "jnn_us": bench.micros(t_jnn),
+                    "speedup_vs_ref": bench.ratio(t_ref, t), "speedup_vs_jnn": bench.ratio(t_jnn, t),
                     "bit_exact_vs_ref": bit_exact if mode == "e2e" else None,
                 }
                 rows.append(row)
@@ -333,29 +230,18 @@ def main():
                       f"(t={time.perf_counter() - t_start:.0f}s)", flush=True)
         del bufs
 
-    print(f"\ndevice: {results['device']}  jax {results['jax']}  ({results['method']})")
-    bw = ", ".join(f"{s}: {g / 1e3:.2f} TB/s" for s, g in results["copy_GBps"].items())
-    print(f"copy bandwidth (D2D, R+W): {bw}")
-    print("bytes = x read once + all outputs written once; speed-ups are the other's µs / this row's µs; "
-          "ref timed on the first shape only; e2e includes the tensor-amax pass, kernel does not")
-    hdr = (f"{'variant':<24} {'shape':<32} {'mode':<6} {'µs':>9} {'GB/s':>7} {'% copy':>7} {'vs ref':>8} "
-           f"{'vs jax.nn':>9} {'exact':>5}")
-    print(hdr)
-    print("-" * len(hdr))
-    for r in rows:
-        jnn = _fmt(r["speedup_vs_jnn"], ".2f", "n/a" if r["id"] in ("nvfp4_row", "nvfp4_rowcol", "mxfp8_row",
-                                                                      "mxfp8_rowcol") else "-")
-        jnn = jnn + "x" if r["speedup_vs_jnn"] is not None else jnn
-        ref = _fmt(r["speedup_vs_ref"], ".1f") + ("x" if r["speedup_vs_ref"] is not None else "")
-        exact = {True: "yes", False: "NO", None: ""}[r["bit_exact_vs_ref"]]
-        print(f"{r['variant']:<24} {r['shape_name']:<32} {r['mode']:<6} {r['us']:>9.1f} {r['GBps']:>7.0f} "
-              f"{r['pct_copy_bw']:>6.1f}% {ref:>8} {jnn:>9} {exact:>5}")
-    print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
-
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wrote {args.out}")
+    bench.print_summary(results, "bytes = x read once + all outputs written once; speed-ups are the other's µs / "
+                        "this row's µs; ref timed on the first shape only; e2e includes the tensor-amax pass, kernel "
+                        "does not")
+    jnn_ids = {v.id for v in VARIANTS if v.jnn}
+    bench.print_table(
+        [("variant", "<24"), ("shape", "<32"), ("mode", "<6"), ("µs", ">9"), ("GB/s", ">7"), ("% copy", ">7"),
+         ("vs ref", ">8"), ("vs jax.nn", ">9"), ("exact", ">5")],
+        [(r["variant"], r["shape_name"], r["mode"], f"{r['us']:.1f}", f"{r['GBps']:.0f}", f"{r['pct_copy_bw']:.1f}%",
+          bench.fmt_speedup(r["speedup_vs_ref"]),
+          bench.fmt_speedup(r["speedup_vs_jnn"], ".2f", "n/a" if r["id"] in jnn_ids else "-"),
+          bench.fmt_exact(r["bit_exact_vs_ref"])) for r in rows])
+    bench.finish_run(results, args.out, t_start)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,13 @@ Model: token embedding -> n_layers x [x + out(attn(qkv(LN(x)))), x + MLP(LN(x))]
     recipe says (fprop, dgrad and wgrad).
   * Unquantized, bfloat16 compute: the token embedding, the attention itself (q.k^T and p.v, causal, rotary position
     embedding on q and k), the final LayerNorm and the logits head (`nnx.Linear`).
+  * Mixture of experts (``moe_experts`` E > 0): every block's MLP is a `jax_fp4.flax.moe.MoEMLP` instead: pre-norm
+    LayerNorm, a bfloat16 router (unquantized) picking the top ``moe_top_k`` of E experts per token (Mixtral routing,
+    dropless), each expert a GELU MLP [d, mlp_ratio*d] -> [mlp_ratio*d, d] like the dense MLP (so each token's
+    compute is top_k x the dense MLP's, the parameters E x), its grouped GEMMs quantized through
+    `jax_fp4.ragged_dot` (`expert_recipe`: the recipe, with NVFP4 1x64's fprop x in 1D NVFP4 since grouped quantize
+    has no 1x64 encode). The objective adds ``moe_aux_weight`` x the Switch load-balancing loss (MoEMLP's
+    E * sum_e f_e P_e, averaged over the blocks; 1 when balanced) to the cross-entropy (`loss_terms`).
 Parameters are float32 (AdamW's master weights); every layer computes in bfloat16; the loss is float32. The blocks
 are unrolled, or with ``scan_layers`` stacked ([n_layers, ...] parameters) and applied with `nnx.scan`: one compiled
 block whatever the depth (XLA compile time of 4 blocks ~2.5x lower; unrolled runs faster on the CPU).
@@ -28,9 +35,11 @@ Parallelism (``mesh``: a `jax.sharding.Mesh` with axes ("data", "tensor"); None 
     contiguous slice of [q | k | v] rather than the q, k and v of its heads: XLA moves the misplaced heads between
     tensor shards (collective-permute / all-to-all; a third of the qkv activation with 2 tensor shards, in fprop and
     again for its gradient). A head-major column order would avoid that, at the price of another model.
-  Embedding, norms and logits head stay replicated. The jax_fp4 primitives partition themselves (custom_partitioning):
-  quantize runs per shard with the tensor amax reduced across shards, so every quantized operand equals the
-  unsharded one. `make_train_step(graphdef, state, mesh)` jits the step with these in / out shardings.
+  Embedding, norms and logits head stay replicated. MoE blocks: data parallel only (experts and router replicated;
+  `mesh_problems` rejects tensor > 1: neither expert parallelism nor a per-expert Megatron split is implemented).
+  The jax_fp4 primitives partition themselves (custom_partitioning): quantize runs per shard with the tensor amax
+  reduced across shards, so every quantized operand equals the unsharded one. `make_train_step(graphdef, state,
+  mesh)` jits the step with these in / out shardings.
 """
 
 from __future__ import annotations
@@ -46,6 +55,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_fp4.flax import nnx as fnnx
+from jax_fp4.flax.moe import MoEMLP
+from jax_fp4.formats import NVFP4 as NVFP4Format
 from jax_fp4.recipes import BF16, Recipe
 
 VOCAB = 256  # byte-level tokens
@@ -62,6 +73,13 @@ class ModelConfig:
     vocab: int = VOCAB
     rope_base: float = 10000.0
     scan_layers: bool = False  # stacked blocks applied with nnx.scan (one compiled block, whatever the depth)
+    moe_experts: int = 0  # > 0: every block's MLP is a top-k mixture of this many experts
+    moe_top_k: int = 2  # experts per token
+    moe_aux_weight: float = 0.01  # weight of the load-balancing loss in the objective
+
+    @property
+    def moe(self) -> bool:
+        return self.moe_experts > 0
 
     @property
     def head_dim(self) -> int:
@@ -76,7 +94,23 @@ class ModelConfig:
             errs.append(f"n_heads {self.n_heads} must divide d_model {self.d_model} into even head sizes")
         if self.n_layers < 1:
             errs.append(f"n_layers {self.n_layers} must be >= 1")
+        if self.moe and not 1 <= self.moe_top_k <= self.moe_experts:
+            errs.append(f"top-k {self.moe_top_k} must be in [1, {self.moe_experts}] (the number of experts)")
+        if self.moe_aux_weight < 0 or not math.isfinite(self.moe_aux_weight):
+            errs.append(f"the load-balancing loss weight {self.moe_aux_weight} must be a finite number >= 0")
         return errs
+
+
+def expert_recipe(recipe: Recipe) -> Recipe:
+    """The recipe of the MoE expert GEMMs: `recipe`, except that a grouped (token) operand grouped quantize cannot
+    encode (NVFP4 1x64: single-tensor only) becomes 1D NVFP4; the expert weights (quantized per expert) keep theirs.
+    Only nvfp4-1x64 changes: its fprop x then uses 1x16 blocks with one tensor scale per expert group."""
+    fmts = {}
+    for name in ("fprop_x", "wgrad_x", "dgrad_dy", "wgrad_dy"):
+        f = getattr(recipe, name)
+        if isinstance(f, NVFP4Format) and (f.local_1x64 or f.scaling_2d):
+            fmts[name] = f.replace(local_1x64=False, scaling_2d=False)
+    return dataclasses.replace(recipe, name=f"{recipe.name}-experts", **fmts) if fmts else recipe
 
 
 def rope(x, base):
@@ -110,12 +144,18 @@ class Block(nnx.Module):
         small = nnx.initializers.variance_scaling(1.0 / (2 * cfg.n_layers), "fan_in", "truncated_normal")
         self.out = fnnx.Dense(d, d, recipe=recipe, dtype=dtype, kernel_init=_annotate(small, (TENSOR, None), mesh),
                               rngs=rngs)
-        self.mlp = fnnx.LayerNormMLP(d, cfg.mlp_ratio * d, recipe=recipe, activation="gelu", dtype=dtype, rngs=rngs,
-                                     down_kernel_init=_annotate(fnnx.default_kernel_init, (TENSOR, None), mesh),
-                                     down_bias_init=fnnx.default_bias_init, **col)
+        if cfg.moe:  # replicated (data parallel only: see mesh_problems)
+            self.mlp = MoEMLP(d, cfg.mlp_ratio * d, cfg.moe_experts, recipe=expert_recipe(recipe),
+                              top_k=cfg.moe_top_k, activation="gelu", norm="layernorm", dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = fnnx.LayerNormMLP(d, cfg.mlp_ratio * d, recipe=recipe, activation="gelu", dtype=dtype,
+                                         rngs=rngs, down_kernel_init=_annotate(fnnx.default_kernel_init,
+                                                                               (TENSOR, None), mesh),
+                                         down_bias_init=fnnx.default_bias_init, **col)
         self.heads = None if mesh is None else NamedSharding(mesh, P(DATA, None, TENSOR, None))  # [B, T, H, Dh]
 
     def __call__(self, x):
+        """(x [B, T, d] after the block, the MoE load-balancing loss float32 (0 for a dense MLP))."""
         b, t, d = x.shape
         h, dh = self.cfg.n_heads, self.cfg.head_dim
         q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * h, dh), 3, axis=2)
@@ -124,7 +164,10 @@ class Block(nnx.Module):
         q, k = rope(q, self.cfg.rope_base), rope(k, self.cfg.rope_base)
         a = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [B, T, H, Dh], bfloat16
         x = x + self.out(a.reshape(b, t, d))
-        return x + self.mlp(x)
+        if self.cfg.moe:
+            y, aux = self.mlp(x, return_aux_loss=True)
+            return x + y, aux
+        return x + self.mlp(x), jnp.zeros((), jnp.float32)
 
 
 class GPT(nnx.Module):
@@ -148,22 +191,27 @@ class GPT(nnx.Module):
         self.norm = nnx.LayerNorm(cfg.d_model, epsilon=1e-6, dtype=dtype, rngs=rngs)
         self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens):
+    def __call__(self, tokens, *, return_aux_loss: bool = False):
+        """logits; with return_aux_loss also the blocks' mean MoE load-balancing loss (0 without MoE)."""
         x = self.embed(tokens)
         if self.cfg.scan_layers:
-            x = _scan_blocks(x, self.blocks)
+            x, aux = _scan_blocks(x, self.blocks)
         else:
+            aux = []
             for block in self.blocks:
-                x = block(x)
-        return self.head(self.norm(x)).astype(jnp.float32)
+                x, a = block(x)
+                aux.append(a)
+            aux = jnp.stack(aux)
+        logits = self.head(self.norm(x)).astype(jnp.float32)
+        return (logits, jnp.mean(aux)) if return_aux_loss else logits
 
 
 _LAYER_AXIS = {nnx.PARTITION_NAME: None}  # the stacked layer axis: unsharded (inserted into the sharding annotations)
 
 
-@nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_LAYER_AXIS)
+@nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=_LAYER_AXIS)
 def _scan_blocks(x, block):
-    return block(x)
+    return block(x)  # (x, aux): the load-balancing losses stacked [n_layers]
 
 
 def make_model(cfg: ModelConfig, recipe: Recipe, seed: int, mesh=None) -> GPT:
@@ -171,11 +219,19 @@ def make_model(cfg: ModelConfig, recipe: Recipe, seed: int, mesh=None) -> GPT:
     return GPT(cfg, recipe, nnx.Rngs(params=seed, quantize=seed + 1), mesh=mesh)
 
 
-def loss_fn(model: GPT, batch):
-    """Mean next-byte cross-entropy (nats) of batch uint8/int32 [B, T + 1]."""
+def loss_terms(model: GPT, batch):
+    """(objective, (cross-entropy, aux)) of batch uint8/int32 [B, T + 1]: the mean next-byte cross-entropy (nats),
+    the blocks' mean MoE load-balancing loss aux (0 without MoE), objective = cross-entropy + moe_aux_weight * aux."""
     batch = batch.astype(jnp.int32)
-    logits = model(batch[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    logits, aux = model(batch[:, :-1], return_aux_loss=True)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    return (ce + model.cfg.moe_aux_weight * aux if model.cfg.moe else ce), (ce, aux)
+
+
+def loss_fn(model: GPT, batch):
+    """The training objective of batch [B, T + 1]: the mean next-byte cross-entropy (+ the weighted MoE
+    load-balancing loss)."""
+    return loss_terms(model, batch)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +284,9 @@ def mesh_problems(cfg: ModelConfig, batch: int, data: int, tensor: int) -> list[
     elif (cfg.d_model // tensor) % 32:
         errs.append(f"d_model {cfg.d_model} / tensor {tensor} = {cfg.d_model // tensor} features per shard: must be a "
                     "multiple of 32 (MXFP8 blocks must not straddle shards)")
+    if cfg.moe and tensor > 1:
+        errs.append(f"--moe supports data parallelism only (tensor 1, e.g. --mesh {data * tensor}x1): the experts are "
+                    "replicated, neither expert parallelism nor a tensor split of the experts is implemented")
     return errs
 
 
@@ -255,25 +314,26 @@ def state_shardings(state, mesh):
 
 
 def make_train_step(graphdef, state=None, mesh=None):
-    """train_step(state, batch) -> (state, loss): ONE jax.jit of forward, backward (quantized GEMMs per the recipe,
-    fresh stochastic-rounding keys from the layers' rng streams, whose counters live in `state`), clipping and the
-    AdamW update, on the functional state (model, optimizer) of `nnx.split`. The loss is that of the parameters before
-    the update; the input state's buffers are donated.
+    """train_step(state, batch) -> (state, {"loss", "aux_loss"}): ONE jax.jit of forward, backward (quantized GEMMs
+    per the recipe, fresh stochastic-rounding keys from the layers' rng streams, whose counters live in `state`),
+    clipping and the AdamW update, on the functional state (model, optimizer) of `nnx.split`. loss: the cross-entropy,
+    aux_loss: the mean MoE load-balancing loss (0 without MoE), both of the parameters before the update (the gradient
+    is that of `loss_fn`, which adds the weighted aux_loss); the input state's buffers are donated.
 
     With a mesh, the step is jitted with in / out shardings: `state` (an example state, for its annotations) keeps
-    `state_shardings`, the batch `batch_sharding`, the loss is replicated."""
+    `state_shardings`, the batch `batch_sharding`, the losses are replicated."""
 
     def train(state, batch):
         model, opt = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        (_, (ce, aux)), grads = nnx.value_and_grad(loss_terms, has_aux=True)(model, batch)
         opt.update(model, grads)
-        return nnx.state((model, opt)), loss
+        return nnx.state((model, opt)), {"loss": ce, "aux_loss": aux}
 
     if mesh is None:
         return jax.jit(train, donate_argnums=0)
     shardings = state_shardings(state, mesh)
     return jax.jit(train, in_shardings=(shardings, batch_sharding(mesh)),
-                   out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
+                   out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)  # P(): every loss
 
 
 def build(cfg: ModelConfig, recipe: Recipe, opt_cfg: OptConfig, seed: int, mesh=None):
@@ -287,6 +347,11 @@ def build(cfg: ModelConfig, recipe: Recipe, opt_cfg: OptConfig, seed: int, mesh=
     return graphdef, state, make_train_step(graphdef, state, mesh)
 
 
-def count_params(cfg: ModelConfig) -> int:
+def count_params(cfg: ModelConfig, active: bool = False) -> int:
+    """Parameters of the model; active: those one token uses (top_k of the experts' weights)."""
     model = nnx.eval_shape(lambda: make_model(cfg, BF16(), 0))
-    return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    n = sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    if active and cfg.moe:
+        per_expert = cfg.n_layers * 2 * cfg.d_model * cfg.mlp_ratio * cfg.d_model  # up [d, h] + down [h, d]
+        n -= (cfg.moe_experts - cfg.moe_top_k) * per_expert
+    return n

@@ -4,6 +4,7 @@
     python examples/train_lm.py --recipe nvfp4 --preset small --steps 2000       # one recipe, one GPU
     python examples/train_lm.py --recipe mxfp8 --data book.txt --resume --out runs/book
     python examples/train_lm.py --compare --preset small --mesh 2x1      # 2 GPUs, data parallel (1x2: tensor)
+    python examples/train_lm.py --compare --moe 8 --top-k 2              # mixture-of-experts MLPs (8 experts, top-2)
 
 The model (examples/lm_model.py): a pre-norm decoder with rotary positions; qkv, the attention output projection
 and the MLP are `jax_fp4.flax.nnx` layers (`LayerNormDense`, `Dense`, `LayerNormMLP`) following the recipe, the
@@ -17,6 +18,13 @@ the batch split over "data", and Megatron-style tensor parallelism over "tensor"
 columns, attention-output and MLP-down kernels by rows, attention by heads); see examples/lm_model.py. The jax_fp4
 quantize primitives run per shard with the tensor amaxes reduced across shards. Without --mesh: one device, as before.
 Checkpoints hold global arrays: a run may resume on another mesh.
+
+--moe [E] (default E = 8 when the flag is given alone) replaces every block's MLP by a `jax_fp4.flax.moe.MoEMLP`: a
+bfloat16 router choosing --top-k K experts per token (default 2, dropless), each expert a GELU MLP as wide as the
+dense one (mlp_ratio x d_model), its grouped GEMMs quantized by the recipe through `jax_fp4.ragged_dot` (nvfp4-1x64:
+1D NVFP4 for the experts' token operand, grouped quantize has no 1x64 encode). The objective adds --aux-weight W
+(default 0.01) x the Switch load-balancing loss (E * sum_e f_e P_e averaged over the blocks, 1 when balanced), which
+is logged as aux_loss; train_loss / val_loss stay the cross-entropy. With --mesh: data parallel only (tensor 1).
 
 Writes to --out DIR: curves.csv (step, recipe, train_loss, val_loss, tokens_per_s; rows of recipes not run now are
 kept), curves.png (the recipes' curves overlaid), summary.json, and checkpoints/<recipe>/ (Orbax: model, optimizer
@@ -55,7 +63,8 @@ PRESETS = {
     "small": dict(d_model=384, layers=4, head_dim=64, seq=256, batch=32, steps=2000, lr=1e-3, warmup=100,
                   eval_every=250, eval_batches=8, log_every=25, ckpt_every=1000, scan=True),
 }
-CSV_FIELDS = ("step", "recipe", "train_loss", "val_loss", "tokens_per_s")
+CSV_FIELDS = ("step", "recipe", "train_loss", "val_loss", "tokens_per_s", "aux_loss")
+MOE_EXPERTS, MOE_TOP_K, MOE_AUX_WEIGHT = 8, 2, 0.01  # --moe's defaults
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +83,9 @@ class RunConfig:
 
     def resume_key(self) -> dict:
         """What a checkpoint must agree on to be resumed (the rest, e.g. --steps, may change)."""
-        return {"model": dataclasses.asdict(self.model), "batch": self.batch, "lr": self.lr, "warmup": self.warmup,
-                "seed": self.seed}
+        model = {k: v for k, v in dataclasses.asdict(self.model).items()
+                 if self.model.moe or not k.startswith("moe_")}  # dense: as before MoE existed (old checkpoints)
+        return {"model": model, "batch": self.batch, "lr": self.lr, "warmup": self.warmup, "seed": self.seed}
 
 
 # ---- command line ----------------------------------------------------------------------------------------------------
@@ -109,6 +119,16 @@ def _mesh_shape(s):
     return int(m[1]), int(m[2])
 
 
+def _nonnegative_float(s):
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    if not (v >= 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {s}")
+    return v
+
+
 def _existing_file(s):
     if not Path(s).is_file():
         raise argparse.ArgumentTypeError(f"no such file: {s}")
@@ -140,6 +160,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", type=_mesh_shape, metavar="DATAxTENSOR",
                    help="shard the step over a data x tensor device mesh, e.g. 2x1 (data parallel), 1x2 (tensor "
                         "parallel), 2x4; data x tensor must equal the device count (default: one device)")
+    p.add_argument("--moe", type=_int_at_least(2), nargs="?", const=MOE_EXPERTS, metavar="E",
+                   help=f"mixture-of-experts MLPs with E experts per block (default {MOE_EXPERTS} when given alone)")
+    p.add_argument("--top-k", type=_int_at_least(1), help=f"with --moe: experts per token (default {MOE_TOP_K})")
+    p.add_argument("--aux-weight", type=_nonnegative_float,
+                   help=f"with --moe: weight of the load-balancing loss (default {MOE_AUX_WEIGHT}; 0: none)")
     p.add_argument("--seed", type=int, default=0, help="initialization and data-order seed (default 0)")
     p.add_argument("--data", type=_existing_file, help="train on this text file instead of the Python stdlib")
     p.add_argument("--out", type=Path, help="output directory (default runs/<preset>)")
@@ -160,8 +185,17 @@ def parse_args(argv=None):
     if (v["batch"] * v["seq"]) % 128:
         parser.error(f"--batch {v['batch']} x --seq {v['seq']} = {v['batch'] * v['seq']} tokens per batch: must be a "
                      "multiple of 128 (the quantized GEMMs block the token axis in the weight gradient)")
+    for flag in ("top_k", "aux_weight"):
+        if args.moe is None and getattr(args, flag) is not None:
+            parser.error(f"--{flag.replace('_', '-')} needs --moe")
+    moe = {} if args.moe is None else dict(
+        moe_experts=args.moe, moe_top_k=MOE_TOP_K if args.top_k is None else args.top_k,
+        moe_aux_weight=MOE_AUX_WEIGHT if args.aux_weight is None else args.aux_weight)
+    if moe and not moe["moe_top_k"] <= moe["moe_experts"]:
+        parser.error(f"--top-k {moe['moe_top_k']} exceeds the {moe['moe_experts']} experts of --moe")
     model = lm_model.ModelConfig(d_model=v["d_model"], n_layers=v["layers"],
-                                 n_heads=max(v["d_model"] // v["head_dim"], 1), seq=v["seq"], scan_layers=v["scan"])
+                                 n_heads=max(v["d_model"] // v["head_dim"], 1), seq=v["seq"], scan_layers=v["scan"],
+                                 **moe)
     for problem in model.validate():
         parser.error(problem)
     if args.mesh is not None:
@@ -218,6 +252,13 @@ def save_checkpoint(mgr, step: int, state, meta: dict):
              force=True)
 
 
+def restore_meta(mgr, step: int) -> dict:
+    """The metadata of the checkpoint at step (without its state)."""
+    import orbax.checkpoint as ocp
+
+    return mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+
+
 def restore_checkpoint(mgr, step: int, state):
     """(state, meta) of the checkpoint at step; `state` (a fresh model's) gives the structure, dtypes and key impls."""
     import orbax.checkpoint as ocp
@@ -244,6 +285,9 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     mesh = lm_model.make_mesh(*cfg.mesh) if cfg.mesh is not None else None
     for note in lm_model.mesh_notes(cfg.model, recipe, cfg.mesh[1]) if cfg.mesh is not None else []:
         print(f"note: {note}")
+    if cfg.model.moe and lm_model.expert_recipe(recipe) != recipe:
+        print(f"note: {name}: the experts' token operands use 1D NVFP4 (1x16 blocks, one tensor scale per expert "
+              "group): grouped quantize has no 1x64 encode")
     graphdef, state, train_step = lm_model.build(
         cfg.model, recipe, lm_model.OptConfig(lr=cfg.lr, warmup=cfg.warmup, steps=cfg.steps), cfg.seed, mesh)
     tokens = cfg.batch * cfg.model.seq
@@ -253,20 +297,23 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
         # The training step's loss is that of the parameters before its update: run it on a copy of the state (the
         # step donates its input) and drop the update. One compiled program per recipe instead of two (on the CPU a
         # separate forward program costs as much XLA compile time as the whole step).
-        losses = [train_step(jax.tree.map(jnp.copy, state), b)[1] for b in val]
+        losses = [train_step(jax.tree.map(jnp.copy, state), b)[1]["loss"] for b in val]
         return float(np.mean([float(v) for v in losses]))
 
     ckdir = out / "checkpoints" / name
     rows, start, timed = [], 0, {"seconds": 0.0, "steps": 0}
     if resume and latest_step(ckdir) is not None:
         mgr = _checkpointer(ckdir)
-        state, meta = restore_checkpoint(mgr, mgr.latest_step(), state)
+        meta = restore_meta(mgr, mgr.latest_step())  # checked first: another model's state would not restore
         if meta["config"] != cfg.resume_key():
             flat = lambda d: {**{k: v for k, v in d.items() if k != "model"}, **d["model"]}  # noqa: E731
             old, new = flat(meta["config"]), flat(cfg.resume_key())
-            diff = ", ".join(f"{k} {old.get(k)} (now {new.get(k)})" for k in new if old.get(k) != new[k])
+            diff = ", ".join(f"{k} {old.get(k)} (now {new.get(k)})" for k in dict.fromkeys([*new, *old])
+                             if old.get(k) != new.get(k))
+            mgr.close()
             raise SystemExit(f"--resume: {ckdir} was written with {diff}; use the same preset and overrides, or "
                              "another --out")
+        state, meta = restore_checkpoint(mgr, mgr.latest_step(), state)
         start, rows, timed = meta["step"], meta["rows"], meta["timed"]
         print(f"{name}: resumed from {ckdir} at step {start}")
     else:
@@ -275,14 +322,15 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
 
     bar = tqdm(total=cfg.steps, initial=min(start, cfg.steps), desc=f"{name:>19}", unit="step", disable=not progress,
                dynamic_ncols=True, mininterval=0.5)
+    moe = cfg.model.moe
     pending, interval, t0 = [], 0, None
     for step in range(start, cfg.steps):
         batch = lm_data.train_batch(corpus, step, cfg.batch, cfg.model.seq, cfg.seed)
-        state, loss = train_step(state, batch)
-        pending.append(loss)
+        state, losses = train_step(state, batch)
+        pending.append(losses)
         bar.update(1)
         if t0 is None:  # the first step in this process compiles: time from its end
-            loss.block_until_ready()
+            losses["loss"].block_until_ready()
             t0 = time.perf_counter()
         else:
             interval += 1
@@ -291,17 +339,19 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
         ckpt = done or (cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0)
         if not (log or ev or ckpt):
             continue
-        train_loss = float(np.mean([float(v) for v in pending]))  # waits for the step
+        train_loss = float(np.mean([float(v["loss"]) for v in pending]))  # waits for the step
+        aux_loss = float(np.mean([float(v["aux_loss"]) for v in pending])) if moe else None
         dt = time.perf_counter() - t0
         timed["seconds"] += dt
         timed["steps"] += interval
         row = {"step": step + 1, "recipe": name, "train_loss": train_loss,
                "val_loss": evaluate(state) if ev else None,
-               "tokens_per_s": interval * tokens / dt if interval else None}
+               "tokens_per_s": interval * tokens / dt if interval else None, "aux_loss": aux_loss}
         rows.append(row)
         if not math.isfinite(train_loss) and all(map(math.isfinite, (r["train_loss"] for r in rows[:-1]))):
             bar.write(f"{name}: the training loss is {train_loss} at step {step + 1}")
         bar.set_postfix({"loss": f"{train_loss:.3f}", **({"val": f"{row['val_loss']:.3f}"} if ev else {}),
+                         **({"aux": f"{aux_loss:.3f}"} if moe else {}),
                          **({"tok/s": f"{row['tokens_per_s']:,.0f}"} if interval else {})}, refresh=False)
         if ckpt:
             save_checkpoint(mgr, step + 1, state,
@@ -321,6 +371,8 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     summary = {"recipe": name, "steps": max(start, cfg.steps), "val_loss": last_val,
                "bits_per_byte": last_val / math.log(2), "tokens_per_s": tokens / step_s, "step_ms": 1e3 * step_s,
                "wall_s": time.perf_counter() - wall}
+    if moe:  # the load-balancing loss of the last logged steps (1: balanced)
+        summary["aux_loss"] = next((r["aux_loss"] for r in reversed(rows) if r.get("aux_loss") is not None), None)
     return rows, summary
 
 
@@ -379,16 +431,19 @@ def plot_curves(out: Path, rows: list[dict], title: str):
 
 def format_table(summaries: dict) -> str:
     """Validation loss, bits per byte, the gap to bf16, tokens/s and step time (compiles, evaluations and checkpoints
-    left out) of each recipe, and its wall time (everything, compiles included)."""
+    left out) of each recipe, and its wall time (everything, compiles included); with MoE runs, the last logged
+    load-balancing loss too."""
     ref = summaries.get("bf16", {}).get("val_loss")
+    aux = any(s.get("aux_loss") is not None for s in summaries.values())
     lines = [f"{'recipe':<20} {'steps':>6} {'val loss':>9} {'bits/byte':>9} {'vs bf16':>8} {'tokens/s':>10} "
-             f"{'step ms':>8} {'wall s':>7}"]
+             f"{'step ms':>8} {'wall s':>7}" + (f" {'aux':>6}" if aux else "")]
     for s in summaries.values():
         gap = f"{100 * (s['val_loss'] / ref - 1):+.2f}%" if ref else "n/a"
         tps = f"{s['tokens_per_s']:,.0f}" if math.isfinite(s["tokens_per_s"]) else "n/a"
         ms = f"{s['step_ms']:.1f}" if math.isfinite(s["step_ms"]) else "n/a"
         lines.append(f"{s['recipe']:<20} {s['steps']:>6} {s['val_loss']:>9.4f} {s['bits_per_byte']:>9.4f} {gap:>8} "
-                     f"{tps:>10} {ms:>8} {s['wall_s']:>7.1f}")
+                     f"{tps:>10} {ms:>8} {s['wall_s']:>7.1f}"
+                     + (f" {s['aux_loss']:>6.3f}" if aux and s.get("aux_loss") is not None else ""))
     return "\n".join(lines)
 
 
@@ -410,6 +465,10 @@ def main(argv=None) -> dict:
               f"device: {jax.devices()[0]}" if cfg.mesh is None else
               f"mesh: data {cfg.mesh[0]} x tensor {cfg.mesh[1]} over {len(jax.devices())} devices "
               f"({jax.devices()[0].device_kind})"))
+    if m.moe:
+        print(f"moe: every MLP {m.moe_experts} experts, top-{m.moe_top_k} per token (bfloat16 router, dropless), "
+              f"expert hidden {m.mlp_ratio * m.d_model} (GELU), load-balancing loss weight {m.moe_aux_weight:g}; "
+              f"{lm_model.count_params(m, active=True) / 1e6:.2f}M parameters active per token")
 
     rows, summaries = [], {}
     for name in names:

@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import re
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _quantize_util import assert_leaf_bits, assert_same_bits, bits_hash, random_input, special_inputs
+from _cmd_buffer_util import assert_command_buffer_runs
+from _quantize_util import assert_leaf_bits, assert_same_bits, random_input, special_inputs
 
 import jax_fp4
 from jax_fp4 import MXFP8, NVFP4
@@ -288,25 +285,6 @@ def test_vmap_and_eager(rng, fmt, axis, layout):
 
 
 # ---- XLA command buffers (CUDA graphs) -------------------------------------------------------------------------------
-_CMD_BUFFER_SCRIPT = textwrap.dedent(
-    """
-    import sys, warnings
-    sys.path.insert(0, {tests_dir!r})
-    warnings.simplefilter("ignore")
-    import jax, numpy as np
-    from _quantize_util import bits_hash
-    from test_dequantize_kernels import command_buffer_args, command_buffer_workload
-    assert jax.default_backend() == "gpu", jax.default_backend()
-    fj = jax.jit(command_buffer_workload)
-    args = jax.device_put(command_buffer_args({seed}), jax.devices("gpu")[0])
-    text = fj.lower(args).as_text()
-    assert all("custom_call @" + t in text for t in ("jf4_dequantize", "jf4_swizzle", "jf4_unswizzle")), text[:3000]
-    print("HASHES", *[bits_hash(jax.block_until_ready(fj(args))) for _ in range(3)])
-    """
-)
-CMD_BUFFER_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
-
-
 def command_buffer_args(seed):
     rng = np.random.default_rng(seed)
     return [quantize_raw(random_input(rng, shape, np.float32), fmt, axis, layout)[0]
@@ -327,20 +305,5 @@ def command_buffer_workload(raws):
 def test_command_buffers(rng):
     """Dequantize / swizzle / unswizzle inside jit three times with XLA command buffers capturing the custom calls
     (CUDA graphs), in a subprocess (XLA_FLAGS is read when the backend starts); the bits must be the CPU reference's."""
-    seed = int(rng.integers(2**31))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(jax_fp4.__file__)))
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + CMD_BUFFER_FLAGS).strip(),
-               PYTHONPATH=os.pathsep.join([root, tests_dir, os.environ.get("PYTHONPATH", "")]))
-    code = _CMD_BUFFER_SCRIPT.format(tests_dir=tests_dir, seed=seed)
-    res = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    if res.returncode != 0:
-        err = res.stderr[-4000:]
-        if re.search(r"Unknown flags? in XLA_FLAGS|(?i:unknown|invalid|illegal|unrecognized|failed to parse|bad value)"
-                     r".{0,200}(xla_gpu_enable_command_buffer|xla_gpu_graph_min_graph_size|CUSTOM_CALL)", err):
-            pytest.xfail(f"this jaxlib rejects the command-buffer flags {CMD_BUFFER_FLAGS!r}:\n{err}")
-        pytest.fail(f"command-buffer subprocess failed (rc {res.returncode}):\n{res.stdout[-2000:]}\n{err}")
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("HASHES")]
-    assert lines, res.stdout + res.stderr[-4000:]
-    want = bits_hash(run_on(_cpu(), command_buffer_workload, command_buffer_args(seed)))
-    assert lines[-1].split()[1:] == [want] * 3, f"command-buffer runs {lines[-1]} vs CPU reference {want}"
+    assert_command_buffer_runs(command_buffer_args, command_buffer_workload, int(rng.integers(2**31)),
+                               ("jf4_dequantize", "jf4_swizzle", "jf4_unswizzle"))

@@ -37,11 +37,9 @@ for step in "${steps[@]}"; do
                     --section InstructionStats --section MemoryWorkloadAnalysis python3 -P "$R/benchmarks/quantize.py" \
                     --shapes 8192x8192 --variants nvfp4_rowcol --iters 2 --repeats 1 \
                     --out "$OUT/ncu_bench.json" > "$OUT/ncu.log" 2>&1; echo "ncu rc=$?"; grep -E "Duration|Throughput|Issue|Executed Ipc|Stall|Registers|Achieved Occ" "$OUT/ncu.log" | head -40 ;;
-    profile-dense) for r in bf16 nvfp4-fwd-mxfp8-bwd; do
-                     timeout 150 ncu --metrics gpu__time_duration.sum --csv python3 -P "$R/tools/profile_dense.py" \
-                       --recipe $r > "$OUT/ncu_dense_$r.csv" 2> "$OUT/ncu_dense_$r.err"
-                     python3 -P "$R/tools/profile_dense.py" --summarize "$OUT/ncu_dense_$r.csv" | head -30
-                   done ;;
+    profile-dense) timeout 300 python3 -P "$R/tools/profile_dense.py" --recipes bf16,mxfp8,nvfp4-fwd-mxfp8-bwd,nvfp4 \
+                     --json "$OUT/profile_dense.json" > "$OUT/profile_dense.log" 2>&1; echo "profile rc=$?";
+                   grep -A8 "^== " "$OUT/profile_dense.log" ;;
     bench-amax) timeout 100 python3 -P "$R/benchmarks/amax.py" --out "$OUT/amax.json" > "$OUT/bench_amax.log" 2>&1;
                 tail -8 "$OUT/bench_amax.log" ;;
     *) echo "unknown step $step" ;;

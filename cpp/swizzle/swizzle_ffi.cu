@@ -63,40 +63,35 @@ ffi::Error Check(const char* name, const ffi::AnyBuffer& in, const ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
-ffi::Error SwizzleImpl(cudaStream_t stream, ffi::AnyBuffer in, ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> out) {
+// jf4_swizzle (kSwizzle: compact `in` -> swizzled `out`) and jf4_unswizzle (swizzled `in` -> compact `out`).
+template <bool kSwizzle>
+ffi::Error LayoutImpl(cudaStream_t stream, ffi::AnyBuffer in, ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> out) {
+  const ffi::AnyBuffer& compact = kSwizzle ? in : *out;
+  const ffi::AnyBuffer& swizzled = kSwizzle ? *out : in;
+  const char* name = kSwizzle ? "jf4_swizzle" : "jf4_unswizzle";
   int64_t batch = 0, rows = 0, cols = 0;
-  JF4_RETURN_IF_ERROR(Check("jf4_swizzle", in, *out, in, *out, batch, rows, cols));
+  JF4_RETURN_IF_ERROR(Check(name, in, *out, compact, swizzled, batch, rows, cols));
   const auto* src = static_cast<const uint8_t*>(in.untyped_data());
-  const swizzle::Geometry g = swizzle::MakeGeometry(rows, cols, src);
-  JF4_CUDA_CHECK(swizzle::LaunchSwizzle(src, static_cast<uint8_t*>(out->untyped_data()), batch, g, stream));
+  auto* dst = static_cast<uint8_t*>(out->untyped_data());
+  const swizzle::Geometry g = swizzle::MakeGeometry(rows, cols, compact.untyped_data());
+  const auto launch = kSwizzle ? swizzle::LaunchSwizzle : swizzle::LaunchUnswizzle;
+  JF4_CUDA_CHECK(launch(src, dst, batch, g, stream));
   return ffi::Error::Success();
 }
 
-ffi::Error UnswizzleImpl(cudaStream_t stream, ffi::AnyBuffer in, ffi::RemainingArgs,
-                         ffi::Result<ffi::AnyBuffer> out) {
-  int64_t batch = 0, rows = 0, cols = 0;
-  JF4_RETURN_IF_ERROR(Check("jf4_unswizzle", in, *out, *out, in, batch, rows, cols));
-  auto* dst = static_cast<uint8_t*>(out->untyped_data());
-  const swizzle::Geometry g = swizzle::MakeGeometry(rows, cols, dst);
-  JF4_CUDA_CHECK(swizzle::LaunchUnswizzle(static_cast<const uint8_t*>(in.untyped_data()), dst, batch, g, stream));
-  return ffi::Error::Success();
+// Both handlers' signature: (stream, in, ignored extra operands...) -> out.
+auto LayoutBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()
+      .RemainingArgs()
+      .Ret<ffi::AnyBuffer>();
 }
 
 }  // namespace
 }  // namespace jax_fp4
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jf4_swizzle, jax_fp4::SwizzleImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .Ret<xla::ffi::AnyBuffer>(),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jf4_swizzle, jax_fp4::LayoutImpl<true>, jax_fp4::LayoutBinding(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jf4_unswizzle, jax_fp4::UnswizzleImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .Ret<xla::ffi::AnyBuffer>(),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jf4_unswizzle, jax_fp4::LayoutImpl<false>, jax_fp4::LayoutBinding(),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes, initializers
 
-from jax_fp4.flax.nnx import RngsLike, _check_recipe, _norm, _split_rngs
+from jax_fp4.flax.nnx import RngsLike, _check_recipe, _norm, _quantize_key, _quantize_stream, _split_rngs
 from jax_fp4.grouped_gemm import ragged_dot
 from jax_fp4.recipes import Recipe
 
@@ -138,28 +138,7 @@ class MoEMLP(nnx.Module):
                           rngs=rngs)
         self.down = Experts(num_experts, hidden_features, out_features, kernel_init=kernel_init,
                             param_dtype=param_dtype, rngs=rngs)
-        self.rngs: nnx.RngStream | None
-        if recipe.needs_key:
-            try:
-                parent = rngs[rng_collection]
-            except KeyError:
-                raise ValueError(f"MoEMLP: recipe {recipe.name!r} uses stochastic rounding and needs an rng stream "
-                                 f"{rng_collection!r} (or 'default')") from None
-            self.rngs = nnx.RngStream(parent(), tag=rng_collection)
-        else:
-            self.rngs = nnx.data(None)
-
-    def _key(self, rngs: RngsLike):
-        if not self.recipe.needs_key:
-            return None
-        rngs = self.rngs if rngs is None else rngs
-        if isinstance(rngs, nnx.Rngs):
-            return rngs[self.rng_collection]()
-        if isinstance(rngs, nnx.RngStream):
-            return rngs()
-        if isinstance(rngs, jax.Array):
-            return rngs
-        raise TypeError(f"rngs must be an nnx.Rngs, nnx.RngStream or a PRNG key, got {type(rngs).__name__}")
+        self.rngs: nnx.RngStream | None = _quantize_stream(recipe, rngs, rng_collection, "MoEMLP")
 
     def route(self, x2):
         """Router of tokens x2 [T, D]: (probs float32 [T, E], top-k weights float32 [T, k], experts int32 [T, k])."""
@@ -176,7 +155,7 @@ class MoEMLP(nnx.Module):
         rows, sizes, capacity = dispatch(experts, self.num_experts, self.alignment)
         up, down = self.up.kernel[...], self.down.kernel[...]
         x2, up, down = dtypes.promote_dtype((x2, up, down), dtype=self.dtype)
-        key = self._key(rngs)
+        key = _quantize_key(self, rngs)
         k_up, k_down = (None, None) if key is None else _split_rngs(key, 2)
         # Token of every buffer row (t = padding: a zero row), then the gather (its gradient: a scatter-add).
         src = jnp.full((capacity,), t, jnp.int32).at[rows.reshape(-1)].set(

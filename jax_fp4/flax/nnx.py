@@ -54,6 +54,37 @@ def _split_rngs(rngs: RngsLike, n: int) -> list[RngsLike]:
     return [rngs] * n
 
 
+def _quantize_stream(recipe: Recipe, rngs: nnx.Rngs, rng_collection: str, where: str):
+    """A layer's own stochastic-rounding stream: when ``recipe.needs_key``, an ``nnx.RngStream`` tagged
+    `rng_collection`, seeded from ``rngs[rng_collection]`` (``rngs.default`` when there is no such stream; ValueError
+    naming `where` when neither exists); else ``nnx.data(None)``."""
+    if not recipe.needs_key:
+        return nnx.data(None)
+    try:
+        parent = rngs[rng_collection]
+    except KeyError:
+        raise ValueError(f"{where}: recipe {recipe.name!r} uses stochastic rounding and needs an rng stream "
+                         f"{rng_collection!r} (or 'default'), e.g. nnx.Rngs(0) or "
+                         f"nnx.Rngs(params=0, {rng_collection}=1)") from None
+    return nnx.RngStream(parent(), tag=rng_collection)
+
+
+def _quantize_key(layer, rngs: RngsLike):
+    """The stochastic-rounding key of one call of `layer` (a module with ``recipe``, ``rngs`` from `_quantize_stream`
+    and ``rng_collection``): None when the recipe needs none, else a fresh draw from the call's `rngs` (Rngs: its
+    ``rng_collection`` stream; RngStream; a key, used as is), or from the layer's own stream when `rngs` is None."""
+    if not layer.recipe.needs_key:
+        return None
+    rngs = layer.rngs if rngs is None else rngs
+    if isinstance(rngs, nnx.Rngs):
+        return rngs[layer.rng_collection]()
+    if isinstance(rngs, nnx.RngStream):
+        return rngs()
+    if isinstance(rngs, jax.Array):
+        return rngs
+    raise TypeError(f"rngs must be an nnx.Rngs, nnx.RngStream or a PRNG key, got {type(rngs).__name__}")
+
+
 def _norm(kind, num_features, epsilon, dtype, param_dtype, rngs):
     if kind == "layernorm":
         return nnx.LayerNorm(num_features, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -123,35 +154,13 @@ class Dense(nnx.Module):
         self.param_dtype = param_dtype
         self.promote_dtype = promote_dtype
         self.rng_collection = rng_collection
-        self.rngs: nnx.RngStream | None
-        if recipe.needs_key:
-            try:
-                parent = rngs[rng_collection]
-            except KeyError:
-                raise ValueError(f"jax_fp4.flax.nnx.Dense: recipe {recipe.name!r} uses stochastic rounding and needs "
-                                 f"an rng stream {rng_collection!r} (or 'default'), e.g. nnx.Rngs(0) or "
-                                 f"nnx.Rngs(params=0, {rng_collection}=1)") from None
-            self.rngs = nnx.RngStream(parent(), tag=rng_collection)
-        else:
-            self.rngs = nnx.data(None)
-
-    def _key(self, rngs: RngsLike):
-        if not self.recipe.needs_key:
-            return None
-        rngs = self.rngs if rngs is None else rngs
-        if isinstance(rngs, nnx.Rngs):
-            return rngs[self.rng_collection]()
-        if isinstance(rngs, nnx.RngStream):
-            return rngs()
-        if isinstance(rngs, jax.Array):
-            return rngs
-        raise TypeError(f"rngs must be an nnx.Rngs, nnx.RngStream or a PRNG key, got {type(rngs).__name__}")
+        self.rngs: nnx.RngStream | None = _quantize_stream(recipe, rngs, rng_collection, "jax_fp4.flax.nnx.Dense")
 
     def __call__(self, x: jax.Array, *, rngs: RngsLike = None) -> jax.Array:
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         x, kernel, bias = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
-        return dense(x, kernel, bias, recipe=self.recipe, key=self._key(rngs))
+        return dense(x, kernel, bias, recipe=self.recipe, key=_quantize_key(self, rngs))
 
 
 class LayerNormDense(nnx.Module):
