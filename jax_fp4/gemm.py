@@ -20,10 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_fp4 import reference
 from jax_fp4.formats import MXFP8, NVFP4
 from jax_fp4.quantized_array import QuantizedArray
-from jax_fp4.reference import codes
 from jax_fp4.reference.nvfp4 import INV_ENC_NUMERATOR
 
 __all__ = ["scaled_dot_general", "native_gemm_available", "IMPLEMENTATIONS"]
@@ -51,24 +49,22 @@ def _compact(q: QuantizedArray) -> QuantizedArray:
 def exact_operand(q: QuantizedArray):
     """(values, tensor_scale): values in q.shape's orientation with dequantize(q) == values * tensor_scale.
 
-    values: bfloat16 holding value(q) * block scale exactly (NVFP4 1D/2D/RHT, MXFP8), or the float32 dequantized
-    values (NVFP4 1x64); tensor_scale: float32 scalar amax * fp32(1/2688) (NVFP4 with a tensor amax) or None.
+    values: bfloat16 holding value(q) * block scale exactly (NVFP4 1D/2D/RHT: the RHT is left in place, it cancels
+    in the product of two RHT operands; MXFP8), or the float32 dequantized values (NVFP4 1x64); tensor_scale:
+    float32 scalar amax * fp32(1/2688) (NVFP4 with a tensor amax) or None. Computed by `jf4_dequantize` (the CUDA
+    kernel on GPU, the reference elsewhere; NVFP4 through its block-scales-only mode, an empty amax operand).
     """
-    q = _compact(q)
+    from jax_fp4._src.primitives.dequantize import dequantize_3d, dequantize_array, dequantize_operands
+
     fmt = q.fmt
     if isinstance(fmt, NVFP4) and fmt.local_1x64:
-        return reference.dequantize(q.data, q.scale, q.amax, q.window_amax, fmt, q.axis, jnp.float32), None
+        return dequantize_array(q, jnp.float32), None
     if isinstance(fmt, NVFP4):
-        bs = fmt.block_size
-        v = codes.e2m1_value(codes.from_dtype(q.data))
-        v = v.reshape(*v.shape[:-1], v.shape[-1] // bs, bs) * q.scale.astype(jnp.float32)[..., None]
-        v = jnp.moveaxis(v.reshape(q.data.shape), -1, q.axis)
-        return v.astype(jnp.bfloat16), q.amax.astype(jnp.float32) * INV_ENC_NUMERATOR
-    bs = fmt.block_size
-    d = jnp.moveaxis(q.data, q.axis, -1).astype(jnp.float32)
-    s = codes.e8m0_value(codes.from_dtype(jnp.moveaxis(q.scale, q.axis, -1)))
-    v = (d.reshape(*d.shape[:-1], d.shape[-1] // bs, bs) * s[..., None]).reshape(d.shape)
-    return jnp.moveaxis(v, -1, q.axis).astype(jnp.bfloat16), None
+        (data, scale, _, _), params = dequantize_operands(q, jnp.bfloat16)
+        params["fmt"] = fmt.replace(rht=False)
+        v = dequantize_3d(data, scale, None, None, block_scales_only=True, **params).reshape(q.shape)
+        return v, q.amax.astype(jnp.float32) * INV_ENC_NUMERATOR
+    return dequantize_array(q, jnp.bfloat16), None
 
 
 def _check(a, b, dimension_numbers):

@@ -27,6 +27,7 @@ from jax_fp4 import MXFP8, NVFP4
 from jax_fp4._src import ffi
 from jax_fp4._src.primitives import dequantize as dq
 from jax_fp4._src.primitives.swizzle import BYTE_DTYPES, padded_shape, swizzle, unswizzle
+from jax_fp4.gemm import exact_operand
 from jax_fp4.reference import codes
 
 pytestmark = pytest.mark.gpu
@@ -126,6 +127,26 @@ def test_dequantize_matches_reference(rng, fmt, layout):
             raws.append(r)
             templates.append(t)
     gpu_vs_cpu(dequantize_all(templates, OUT), raws, what=f"{fmt!r} {layout}")
+
+
+@pytest.mark.parametrize("fmt", [NVFP4(), NVFP4(scaling_2d=True), NVFP4(rht=True), NVFP4(local_1x64=True), MXFP8()],
+                         ids=repr)
+def test_exact_operand(rng, fmt):
+    """`gemm.exact_operand` (the GEMM emulation's operands: NVFP4 1D/2D/RHT through jf4_dequantize's block-scales-only
+    mode, value * s_b with no tensor scale and no inverse RHT) on the kernel == on the reference."""
+    raws, templates = [], []
+    for shape, axes in (((192, 128), (-1, 0)), ((2, 64, 128), (1, -1))):
+        x = random_input(rng, shape, jnp.float32)
+        for axis in axes:
+            for layout in ("compact", "swizzled"):
+                r, t = quantize_raw(x, fmt, axis, layout)
+                raws.append(r)
+                templates.append(t)
+
+    def f(raws):
+        return {str(i): exact_operand(from_raw(r, t))[0] for i, (r, t) in enumerate(zip(raws, templates, strict=True))}
+
+    gpu_vs_cpu(f, raws, what=f"exact_operand {fmt!r}")
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=repr)

@@ -160,7 +160,7 @@ def _e8(shape):
                            mx_columnwise=True), r"block axis \(R = 4\) is not a whole number of 32-blocks"),
     (lambda: dequantize_3d(_mx((4, 32)), _e8((4, 1)), None, None, fmt=MXFP8(), out_dtype=jnp.float32),
      r"data float8_e4m3fn\[4, 32\].*expected rank 3"),
-    (lambda: dequantize_3d(_mx(), _e8((1, 4, 1)), None, None, fmt=NVFP4(), out_dtype=jnp.float32),
+    (lambda: dequantize_3d(_mx(), _e8((1, 4, 1)), jnp.ones((1,)), None, fmt=NVFP4(), out_dtype=jnp.float32),
      "data must be float4_e2m1fn"),
     (lambda: dequantize_3d(_mx(), jnp.zeros((1, 4, 1), jnp.uint8), None, None, fmt=MXFP8(), out_dtype=jnp.float32),
      "scale .* must be float8_e8m0fnu"),
@@ -211,3 +211,22 @@ def test_dequantize_array_is_the_public_path():
     jaxpr = jax.make_jaxpr(jax_fp4.dequantize)(q)
     assert [e.primitive for e in jaxpr.jaxpr.eqns if e.primitive is dequantize_p], jaxpr
     assert_leaf_bits(dequantize_array(q), jax_fp4.dequantize(q), "dequantize_array")
+
+
+@pytest.mark.parametrize("fmt", [NVFP4(), NVFP4(scaling_2d=True), NVFP4(rht=True)], ids=repr)
+@pytest.mark.parametrize("axis,layout", [(-1, "compact"), (0, "swizzled"), (1, "compact")])
+def test_block_scales_only_is_the_gemm_operand(rng, fmt, axis, layout):
+    """An empty amax operand (NVFP4 1D/2D/RHT) gives value(q) * s_b in q's logical orientation, no tensor scale and no
+    inverse RHT: `gemm.exact_operand`, computed here independently from the codes (exact in float64)."""
+    from jax_fp4.gemm import exact_operand
+
+    x = random_input(rng, (32, 64, 48), jnp.float32)
+    q = jax_fp4.quantize(x, fmt, axis=axis, scale_layout=layout)
+    v, ts = jax.jit(exact_operand)(q)
+    assert ts.dtype == jnp.float32 and ts.shape == ()
+    c = jax_fp4.unswizzle_scales(q)
+    vals = np.asarray(codes.e2m1_value(codes.from_dtype(c.data)), np.float64)
+    vals = vals.reshape(*vals.shape[:-1], -1, 16) * np.asarray(c.scale.astype(jnp.float32), np.float64)[..., None]
+    want = np.moveaxis(vals.reshape(c.data.shape), -1, axis)
+    assert v.dtype == jnp.bfloat16 and v.shape == q.shape
+    np.testing.assert_array_equal(np.asarray(v, np.float64), want)

@@ -28,7 +28,11 @@ namespace jax_fp4 {
 namespace dequantize {
 
 enum Kind : int { kNvfp4 = 1, kMxfp8E4m3 = 2, kMxfp8E5m2 = 3 };
-enum Option : int { kRht = 2, k1x64 = 8, kSwizzled = 1 << 16, kTransposeOut = 1 << 17, kMxColumnwise = 1 << 18 };
+// kBlockOnly (set by the handler when an NVFP4 1D/2D tensor comes without its amax): values * block scale only,
+// the exact GEMM-emulation operand (the tensor scale is applied after the product).
+enum Option : int {
+  kRht = 2, k1x64 = 8, kSwizzled = 1 << 16, kTransposeOut = 1 << 17, kMxColumnwise = 1 << 18, kBlockOnly = 1 << 19
+};
 
 constexpr int kSeg = 16;
 constexpr int kTile = 64;
@@ -178,6 +182,8 @@ __device__ __forceinline__ void DecodeSegment(const Args& a, int64_t row, int64_
     float f = 0.0f, enc = 1.0f;
     if (local) {
       enc = cvt::WindowEncodeScale(__ldg(a.window_amax + row * (C >> 6) + (c >> 6)));
+    } else if (a.flags & kBlockOnly) {
+      f = s_b;
     } else {
       const float amax = __ldg(a.amax + (a.amax_per_p ? row / a.R : 0));
       f = __fmul_rn(__fmul_rn(s_b, amax), cvt::kInv2688());  // (s_b * amax) * fp32(1/2688)
@@ -343,6 +349,8 @@ __global__ void __launch_bounds__(kThreads) FlatKernel(const Args a, Idx num_run
     } else if constexpr (kLocal) {
       mult[j] = cvt::E4M3Value(code);
       div[j] = cvt::WindowEncodeScale(__ldg(a.window_amax + (e >> 6)));
+    } else if (a.flags & kBlockOnly) {
+      mult[j] = cvt::E4M3Value(code);
     } else {
       const float amax = __ldg(a.amax + (a.amax_per_p ? e / (Idx(a.R) * C) : Idx(0)));
       mult[j] = __fmul_rn(__fmul_rn(cvt::E4M3Value(code), amax), cvt::kInv2688());

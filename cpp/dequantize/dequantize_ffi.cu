@@ -2,7 +2,8 @@
 //
 // Operands: data (float4_e2m1fn / float8_e4m3fn / float8_e5m2 [P, R, C]), scale (float8_e4m3fn for NVFP4,
 // float8_e8m0fnu for MXFP8; compact, or the swizzled padded scale matrix), amax f32[1] or f32[P] (NVFP4 with a
-// tensor scale; else f32[0]), window_amax f32[P, R, C/64] (NVFP4 1x64, else f32[0]); further operands are accepted
+// tensor scale; f32[0] for NVFP4 1D/2D gives value * block scale only, the exact GEMM-emulation operand; else
+// f32[0]), window_amax f32[P, R, C/64] (NVFP4 1x64, else f32[0]); further operands are accepted
 // and ignored (RemainingArgs: a test aliases a poisoned buffer to the result). Result: out [P, R, C], or [P, C, R]
 // when flags has kTransposeOut (NVFP4 whose block axis is not x's last axis). Attributes: kind (dequantize::Kind),
 // flags (dequantize::Option bits). Every size is checked against the geometry, so a mismatched call is an
@@ -68,9 +69,12 @@ ffi::Error DequantizeImpl(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuff
             where + ": scale holds " + std::to_string(ElementCount(scale)) + " elements, expected " +
                 std::to_string(scale_count));
   const int64_t amax_count = static_cast<int64_t>(ElementCount(amax));
-  const bool tensor_scale = nvfp4 && !local;
+  const bool block_only = nvfp4 && !local && amax_count == 0;  // values * block scale (the GEMM operand)
+  const bool tensor_scale = nvfp4 && !local && !block_only;
   JF4_CHECK(!tensor_scale || amax_count == 1 || amax_count == P,
-            where + ": NVFP4 needs its tensor amax (1 or P floats), got " + std::to_string(amax_count));
+            where + ": NVFP4 takes its tensor amax as 1 or P floats (or none: block scales only), got " +
+                std::to_string(amax_count));
+  JF4_CHECK(!(flags & dequantize::kBlockOnly), where + ": kBlockOnly is set from an empty amax, not passed");
   JF4_CHECK(!local || static_cast<int64_t>(ElementCount(window_amax)) == P * R * (C / 64),
             where + ": 1x64 window amax must hold P*R*C/64 floats");
   const auto od = out->dimensions();
@@ -86,7 +90,7 @@ ffi::Error DequantizeImpl(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuff
   a.window_amax = local ? window_amax.typed_data() : nullptr;
   a.out = out->untyped_data();
   a.P = P, a.R = R, a.C = C;
-  a.flags = flags;
+  a.flags = flags | (block_only ? dequantize::kBlockOnly : 0);
   a.scale_cols_padded = RoundUp(cols, 4);
   JF4_CHECK(a.data != nullptr && a.scale != nullptr && a.out != nullptr, where + ": null buffer");
   switch (out->element_type()) {

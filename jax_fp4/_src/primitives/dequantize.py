@@ -8,7 +8,9 @@ Operands (`dequantize_array` views a QuantizedArray as [P, R, C]):
     columnwise. Swizzled: the padded GEMM layout [round_up(rows, 128), round_up(cols, 4)] of the 2-D scale matrix
     [rows, cols] = [P*R, C/bs] (MXFP8 columnwise: [P*C, R/32], rows ordered (p, c)).
   amax: float32 [1] or [P] (NVFP4 1D/2D/RHT: the tensor amax, one per p once vmap folded a batch into P);
-    float32 [0] for formats without a tensor scale.
+    float32 [0] for formats without a tensor scale. NVFP4 1D/2D/RHT with float32 [0]: block scales only, i.e.
+    value(q) * s_b (then the inverse RHT if fmt.rht) -- exact in bfloat16, the operand of the GEMM emulation, which
+    applies the tensor scale after the product (`jax_fp4.gemm.exact_operand`).
   window_amax: float32 [P, R, C/64] (NVFP4 1x64), else float32 [0].
 Static parameters: fmt, out_dtype (float32 / bfloat16 / float16), scale_layout ("compact" / "swizzled"),
   mx_columnwise (MXFP8 blocks along R), transpose_out (NVFP4 whose block axis is not x's last: the result is
@@ -42,7 +44,7 @@ from jax_fp4._src.primitives._common import def_impl
 from jax_fp4._src.primitives.swizzle import padded_shape, unswizzle_p
 from jax_fp4.formats import MXFP8, NVFP4
 from jax_fp4.quantized_array import SCALE_LAYOUTS
-from jax_fp4.reference import codes, layout, mxfp8, nvfp4
+from jax_fp4.reference import codes, layout, mxfp8, nvfp4, rht
 
 __all__ = ["dequantize_p", "dequantize_3d", "dequantize_array", "dequantize_operands", "OUT_DTYPES"]
 
@@ -112,8 +114,9 @@ def _abstract_eval(data, scale, amax, window_amax, *, fmt, out_dtype, scale_layo
         expect = compact_scale_shape(fmt, data.shape, mx_columnwise)
     _check_operand(where, f"scale ({scale_layout})", scale, expect, fmt.scale_dtype)
     if _tensor_scale(fmt):
-        if tuple(amax.shape) not in ((1,), (P,)) or amax.dtype != jnp.float32:
-            raise ValueError(f"{where}: amax must be float32[1] or float32[{P}], got {amax.dtype}{list(amax.shape)}")
+        if tuple(amax.shape) not in ((1,), (P,), (0,)) or amax.dtype != jnp.float32:
+            raise ValueError(f"{where}: amax must be float32[1] or float32[{P}] (or float32[0]: block scales only), "
+                             f"got {amax.dtype}{list(amax.shape)}")
     else:
         _check_operand(where, "amax (unused by this format)", amax, (0,), jnp.float32)
     w_shape = (P, R, C // fmt.window_size) if _local_1x64(fmt) else (0,)
@@ -139,7 +142,12 @@ def reference_dequantize(data, scale, amax, window_amax, *, fmt, out_dtype, scal
     """The primitive's semantics in pure jnp (its default lowering)."""
     if scale_layout == "swizzled":
         scale = _compact_from_swizzled(fmt, scale, data.shape, mx_columnwise)
-    if isinstance(fmt, NVFP4):
+    if _tensor_scale(fmt) and amax.shape[0] == 0:  # block scales only (see the module docstring)
+        bs = fmt.block_size
+        v = codes.e2m1_value(codes.from_dtype(data))
+        v = (v.reshape(*v.shape[:-1], v.shape[-1] // bs, bs) * scale.astype(jnp.float32)[..., None]).reshape(v.shape)
+        v = rht.inverse(v) if fmt.rht else v
+    elif isinstance(fmt, NVFP4):
         a = None
         if _tensor_scale(fmt):
             a = amax[0] if amax.shape[0] == 1 else amax[:, None, None]
@@ -205,7 +213,7 @@ def _batch_rule(args, dims, *, fmt, out_dtype, scale_layout, mx_columnwise, tran
             scale = jnp.swapaxes(m.reshape(B, P, C, R // fmt.block_size), 2, 3)
         else:
             scale = m.reshape(B, *compact_scale_shape(fmt, (P, R, C), mx_columnwise))
-    if _tensor_scale(fmt):  # [B, 1] or [B, P] -> one amax per folded p
+    if _tensor_scale(fmt) and amax.shape[-1] != 0:  # [B, 1] or [B, P] -> one amax per folded p
         amax = jnp.broadcast_to(amax, (B, P)).reshape(B * P)
     else:
         amax = jnp.zeros((0,), jnp.float32)
@@ -231,9 +239,14 @@ def _amax_operand(amax):
 
 
 def dequantize_3d(data, scale, amax, window_amax, *, fmt, out_dtype, scale_layout="compact", mx_columnwise=False,
-                  transpose_out=False):
+                  transpose_out=False, block_scales_only=False):
     """Bind the primitive (see the module docstring). amax: None, a scalar, or float32[1] / [P]; window_amax:
-    None or float32[P, R, C/64]."""
+    None or float32[P, R, C/64]. block_scales_only (NVFP4 1D/2D/RHT, amax None): value(q) * s_b, the GEMM
+    emulation's operand; without it a missing NVFP4 tensor amax is a ValueError, never a silent omission."""
+    if _tensor_scale(fmt) and (amax is None) != bool(block_scales_only):
+        raise ValueError(f"jf4_dequantize ({fmt!r}): amax must be float32[1] or float32[P] (the tensor amax), or None "
+                         f"with block_scales_only=True; got amax={'None' if amax is None else 'an array'}, "
+                         f"block_scales_only={block_scales_only}")
     window_amax = jnp.zeros((0,), jnp.float32) if window_amax is None else window_amax
     return dequantize_p.bind(data, scale, _amax_operand(amax), window_amax, fmt=fmt, out_dtype=jnp.dtype(out_dtype),
                              scale_layout=scale_layout, mx_columnwise=bool(mx_columnwise),
