@@ -316,21 +316,24 @@ __device__ __forceinline__ uint4 PackRunFinite(const float (&v)[kV]) {
   }
 }
 
-// FlatKernel: NVFP4 without RHT whose output keeps the stored layout (1D, 2D, 1x64), and MXFP8 rowwise, with
-// 16-byte aligned data and output. As C % 16 == 0 (NVFP4) / C % 32 == 0 (MXFP8 rowwise), a run of kV = 16 /
-// sizeof(Out) elements never crosses a block or a row, so the tensor is a flat array of runs and the compact scale
-// of element e is e / 16 (e / 32), its 1x64 window e / 64. Thread t of block b decodes runs
-// (b * kUnroll + j) * kThreads + t, j < kUnroll: each warp-wide load and 16-byte store covers one contiguous span,
-// and every thread issues all its loads before its first store.
+// FlatKernel: NVFP4 without RHT whose output keeps the stored layout (1D, 2D, 1x64), MXFP8 rowwise and MXFP8
+// columnwise with compact scales, with 16-byte aligned data and output. As C % 16 == 0 (NVFP4, MXFP8 columnwise
+// here) / C % 32 == 0 (MXFP8 rowwise), a run of kV = 16 / sizeof(Out) elements never crosses a block or a row, so
+// the tensor is a flat array of runs: the compact scale of element e is e / 16 (e / 32), its 1x64 window e / 64,
+// and an MXFP8 columnwise run (row, c .. c + kV) takes kV consecutive scale bytes at (row / 32) * C + c. Thread t
+// of block b decodes runs (b * kUnroll + j) * kThreads + t, j < kUnroll: each warp-wide load and 16-byte store
+// covers one contiguous span, and every thread issues all its loads before its first store.
 constexpr int kUnroll = 4;
+enum FlatVariant : int { kFlatBlock = 0, kFlatLocal = 1, kFlatMxColumnwise = 2 };
 
-template <typename Out, int kKind, typename Idx, bool kLocal>
+template <typename Out, int kKind, typename Idx, int kVar>
 __global__ void __launch_bounds__(kThreads) FlatKernel(const Args a, Idx num_runs) {
   constexpr int kV = 16 / int(sizeof(Out));
   constexpr int kBytes = kKind == kNvfp4 ? kV / 2 : kV;
   constexpr int kShift = kKind == kNvfp4 ? 4 : 5;  // log2 of the block size
+  constexpr bool kLocal = kVar == kFlatLocal, kMxCol = kVar == kFlatMxColumnwise;
   const Idx C = Idx(a.C);
-  uint2 raw[kUnroll];
+  uint2 raw[kUnroll], sraw[kUnroll];
   float mult[kUnroll], div[kUnroll];
 #pragma unroll
   for (int j = 0; j < kUnroll; ++j) {
@@ -338,6 +341,11 @@ __global__ void __launch_bounds__(kThreads) FlatKernel(const Args a, Idx num_run
     if (run >= num_runs) break;
     const Idx e = run * kV;
     raw[j] = LoadRun<kBytes>(a.data + (kKind == kNvfp4 ? e / 2 : e));
+    if constexpr (kMxCol) {
+      const Idx row = e / C;
+      sraw[j] = LoadRun<kV>(a.scale + (row >> 5) * C + (e - row * C));
+      continue;
+    }
     Idx si = e >> kShift;
     if (a.flags & kSwizzled) {
       const Idx row = e / C;
@@ -369,7 +377,13 @@ __global__ void __launch_bounds__(kThreads) FlatKernel(const Args a, Idx num_run
 #pragma unroll
       for (int i = 0; i < kV; ++i) {
         const uint32_t word = i < 4 ? raw[j].x : raw[j].y;
-        v[i] = __fmul_rn(Fp8Value<kKind>((word >> (8 * (i & 3))) & 0xFFu), mult[j]);
+        float s;
+        if constexpr (kMxCol) {
+          s = E8M0Value(((i < 4 ? sraw[j].x : sraw[j].y) >> (8 * (i & 3))) & 0xFFu);
+        } else {
+          s = mult[j];
+        }
+        v[i] = __fmul_rn(Fp8Value<kKind>((word >> (8 * (i & 3))) & 0xFFu), s);
       }
     }
     // A finite multiplier with finite codes (NVFP4 has no NaN codes) gives no NaN: pack without the NaN fix-up.
@@ -456,20 +470,22 @@ cudaError_t Launch(Args a, cudaStream_t stream) {
     return cudaGetLastError();
   }
   a.vector_out = (a.C * int64_t(sizeof(Out))) % 16 == 0 && reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
-  const bool flat = (kKind == kNvfp4 ? !(a.flags & kRht) : !(a.flags & kMxColumnwise)) && a.vector_data &&
+  const bool mx_col = kKind != kNvfp4 && (a.flags & kMxColumnwise);
+  const bool flat = (kKind == kNvfp4 ? !(a.flags & kRht) : (!mx_col || !(a.flags & kSwizzled))) && a.vector_data &&
                     a.vector_out && reinterpret_cast<uintptr_t>(a.data) % 16 == 0;
   if (flat) {
     const int64_t runs = n / (16 / int64_t(sizeof(Out)));
     const int64_t blocks = (runs + kThreads * kUnroll - 1) / (kThreads * kUnroll);
     if (blocks >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
     const bool small = n < (int64_t(1) << 31);
-    if (kKind == kNvfp4 && (a.flags & k1x64)) {
-      constexpr bool kL = kKind == kNvfp4;  // (MXFP8 never takes this branch: no 1x64 instantiation)
-      if (small) FlatKernel<Out, kKind, uint32_t, kL><<<unsigned(blocks), kThreads, 0, stream>>>(a, uint32_t(runs));
-      else FlatKernel<Out, kKind, int64_t, kL><<<unsigned(blocks), kThreads, 0, stream>>>(a, runs);
+    // (Only the variants a kind can take are instantiated: 1x64 is NVFP4's, columnwise scales MXFP8's.)
+    constexpr int kOther = kKind == kNvfp4 ? kFlatLocal : kFlatMxColumnwise;
+    if ((kKind == kNvfp4 && (a.flags & k1x64)) || mx_col) {
+      if (small) FlatKernel<Out, kKind, uint32_t, kOther><<<unsigned(blocks), kThreads, 0, stream>>>(a, uint32_t(runs));
+      else FlatKernel<Out, kKind, int64_t, kOther><<<unsigned(blocks), kThreads, 0, stream>>>(a, runs);
     } else {
-      if (small) FlatKernel<Out, kKind, uint32_t, false><<<unsigned(blocks), kThreads, 0, stream>>>(a, uint32_t(runs));
-      else FlatKernel<Out, kKind, int64_t, false><<<unsigned(blocks), kThreads, 0, stream>>>(a, runs);
+      if (small) FlatKernel<Out, kKind, uint32_t, kFlatBlock><<<unsigned(blocks), kThreads, 0, stream>>>(a, uint32_t(runs));
+      else FlatKernel<Out, kKind, int64_t, kFlatBlock><<<unsigned(blocks), kThreads, 0, stream>>>(a, runs);
     }
     return cudaGetLastError();
   }
