@@ -13,16 +13,13 @@ printed in the pytest header: JAX_FP4_SEED=<seed>.
 from __future__ import annotations
 
 import functools
-import os
 import re
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cmd_buffer_util import assert_command_buffer_runs
 from _quantize_util import (
     FORMATS,
     PAIRS,
@@ -31,7 +28,6 @@ from _quantize_util import (
     assert_leaf_bits,
     assert_same_bits,
     bits,
-    bits_hash,
     command_buffer_input,
     command_buffer_workload,
     dtype_id,
@@ -368,44 +364,11 @@ def test_scan_jit_and_eager(rng):
 
 
 # ---- XLA command buffers (CUDA graphs) -------------------------------------------------------------------------------
-_CMD_BUFFER_SCRIPT = textwrap.dedent(
-    """
-    import sys, warnings
-    sys.path.insert(0, {tests_dir!r})
-    warnings.simplefilter("ignore")
-    import jax, numpy as np
-    from _quantize_util import bits_hash, command_buffer_input, command_buffer_workload
-    assert jax.default_backend() == "gpu", jax.default_backend()
-    fj = jax.jit(command_buffer_workload)
-    xd = jax.device_put(command_buffer_input({seed}), jax.devices("gpu")[0])
-    assert "custom_call @jf4_quantize" in fj.lower(xd).as_text(), "no jf4_quantize custom call"
-    print("HASHES", *[bits_hash(jax.block_until_ready(fj(xd))) for _ in range(3)])
-    """
-)
-CMD_BUFFER_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
-
-
 def test_command_buffers(rng):
     """Quantize inside jit three times with XLA command buffers capturing the custom calls (CUDA graphs), in a
     subprocess (XLA_FLAGS is read when the backend starts); its bits must be the CPU reference's every time."""
-    seed = int(rng.integers(2**31))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(jax_fp4.__file__)))
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + CMD_BUFFER_FLAGS).strip(),
-               PYTHONPATH=os.pathsep.join([root, tests_dir, os.environ.get("PYTHONPATH", "")]))
-    code = _CMD_BUFFER_SCRIPT.format(tests_dir=tests_dir, seed=seed)
-    res = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    if res.returncode != 0:
-        err = res.stderr[-4000:]
-        if re.search(r"Unknown flags? in XLA_FLAGS|(?i:unknown|invalid|illegal|unrecognized|failed to parse|bad value)"
-                     r".{0,200}(xla_gpu_enable_command_buffer|xla_gpu_graph_min_graph_size|CUSTOM_CALL)", err):
-            pytest.xfail(f"this jaxlib rejects the command-buffer flags {CMD_BUFFER_FLAGS!r}:\n{err}")
-        pytest.fail(f"command-buffer subprocess failed (rc {res.returncode}):\n{res.stdout[-2000:]}\n{err}")
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("HASHES")]
-    assert lines, res.stdout + res.stderr[-4000:]
-    hashes = lines[-1].split()[1:]
-    want = bits_hash(run_on(_cpu(), command_buffer_workload, command_buffer_input(seed)))
-    assert hashes == [want] * 3, f"command-buffer runs {hashes} vs CPU reference {want}"
+    assert_command_buffer_runs(command_buffer_input, command_buffer_workload, int(rng.integers(2**31)),
+                               ("jf4_quantize",))
 
 
 # ---- rht_amax --------------------------------------------------------------------------------------------------------
@@ -423,3 +386,30 @@ def test_rht_amax(rng, shape, dtype):
 
     got, _ = gpu_vs_cpu(f, x3, present=("jf4_rht_amax",), what="rht_amax (row, col)")
     assert got[0].shape == (shape[0],) and got[0].dtype == np.float32
+
+
+# ---- stochastic rounding of one shard (the sharding rule's per-shard call) ------------------------------------------
+def test_stochastic_rounding_shard_stream(rng):
+    """A shard x[1:3, 64:128, 48:144] of x[4, 128, 192] quantized with its stream words (`reference.sr.shard_words`:
+    what jf4_quantize's sharding rule passes each shard) draws the global stream: kernel == reference, and == the
+    matching slice of the global quantize (same amax), rowwise ([P, M, K]) and columnwise ([P, K, M])."""
+    fmt, fmt_rht = NVFP4(stochastic_rounding=True), NVFP4(stochastic_rounding=True, rht=True)
+    G, off = (4, 128, 192), (1, 64, 48)
+    sl = tuple(slice(o, o + n) for o, n in zip(off, (2, 64, 96), strict=True))
+    xg = random_input(rng, G, jnp.bfloat16, edges=False)
+    amax = np.full(G[0], np.max(np.abs(xg.astype(np.float32))), np.float32)
+    kr, kc = (reference.sr.philox_key(k) for k in jax.random.split(KEY))
+    wr = reference.sr.shard_words(kr, off, G)
+    wc = reference.sr.shard_words(kc, (off[0], off[2], off[1]), (G[0], G[2], G[1]))
+
+    def f(x, amax, key_row, key_col):
+        o = quantize_3d(x, amax, amax, key_row, key_col, row_fmt=fmt, col_fmt=fmt_rht)
+        return o["row_data"], o["row_scale"], o["col_data"], o["col_scale"]
+
+    got, _ = gpu_vs_cpu(f, xg[sl], amax[sl[0]], wr, wc, what="SR shard stream")
+    glob = run_on(_gpu(), f, xg, amax, kr, kc)
+    p, m, k = sl
+    want = (glob[0][p, m, k], glob[1][p, m, k.start // 16:k.stop // 16], glob[2][p, k, m],
+            glob[3][p, k, m.start // 16:m.stop // 16])
+    for name, g, w in zip(("row_data", "row_scale", "col_data", "col_scale"), got, want, strict=True):
+        assert_leaf_bits(g, w, f"shard vs global slice: {name}")

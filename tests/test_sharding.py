@@ -160,6 +160,76 @@ DEQUANTIZE_SCRIPT = textwrap.dedent(
 )
 
 
+SR_SCRIPT = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import jax_fp4
+    from jax_fp4._src.primitives.quantize import quantize_3d
+    from jax_fp4.reference import codes, sr
+
+    assert len(jax.devices()) == 8, jax.devices()
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    SR = jax_fp4.NVFP4(stochastic_rounding=True)
+    SR_RHT = jax_fp4.NVFP4(stochastic_rounding=True, rht=True)
+    key = jax.random.key(7)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((512, 256)), jnp.float32)
+    x3 = jnp.asarray(rng.standard_normal((8, 64, 256)), jnp.bfloat16)
+
+    def bits(a):
+        a = jnp.asarray(a)
+        if a.dtype.itemsize == 1 or a.dtype.name.startswith("float4"):
+            return np.asarray(codes.from_dtype(a))
+        return np.asarray(a).reshape(-1).view(np.uint8)
+
+    def q3(row_fmt, col_fmt):  # the primitive on x[P, M, K] (rowwise with P > 1 is not reachable from the ops)
+        def f(x3):
+            amax = jnp.broadcast_to(jnp.max(jnp.abs(x3.astype(jnp.float32))), (x3.shape[0],))
+            kr, kc = (sr.philox_key(k) for k in jax.random.split(key))
+            o = quantize_3d(x3, amax, amax, kr, kc, row_fmt=row_fmt, col_fmt=col_fmt)
+            return o["row_data"], o["row_scale"], o["col_data"], o["col_scale"]
+        return f
+
+    cases2 = {  # x[M, K]: M (rows) and K (columns) sharded
+        "row": lambda x: jax_fp4.quantize(x, SR, key=key),
+        "col": lambda x: jax_fp4.quantize(x, SR, axis=0, key=key),
+        "row+col rht": lambda x: jax_fp4.quantize_rowwise_columnwise(x, SR, SR_RHT, key=key)[:2],
+        "row swizzled": lambda x: jax_fp4.quantize(x, SR, key=key, scale_layout="swizzled"),
+    }
+    cases3 = {  # x[P, M, K] (P = 8): P, M and K sharded
+        "col, P > 1": lambda x: jax_fp4.quantize(x, SR, axis=1, key=key),
+        "row+col, P > 1": q3(SR, SR),
+    }
+    specs2 = (P("data", None), P(None, "model"), P("data", "model"), P(None, ("model", "data")))
+    specs3 = (P("data", None, None), P(None, "data", None), P(None, None, "model"), P("model", None, "data"),
+              P(("data", "model"), None, None))
+    bad = []
+    for xa, cases, specs in ((x, cases2, specs2), (x3, cases3, specs3)):
+        refs = {name: jax.jit(f)(xa) for name, f in cases.items()}
+        for spec in specs:
+            xs = jax.device_put(xa, NamedSharding(mesh, spec))
+            for name, f in cases.items():
+                ref, got = refs[name], jax.jit(f)(xs)
+                for r, g in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True):
+                    if not np.array_equal(bits(r), bits(g)):
+                        bad.append((str(spec), name, "sharded != unsharded"))
+                        break
+                # The quantize ran per shard (shards hold whole blocks here, so x is not gathered): the codes come
+                # out sharded, each shard having drawn its own part of the stream.
+                if not any(ax is not None for ax in jax.tree.leaves(got)[0].sharding.spec):
+                    bad.append((str(spec), name, "data not sharded"))
+    # Different keys still give different codes on the sharded path (the key reaches every shard).
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", "model")))
+    a = bits(jax.jit(lambda x: jax_fp4.quantize(x, SR, key=jax.random.key(1)).data)(xs))
+    b = bits(jax.jit(lambda x: jax_fp4.quantize(x, SR, key=jax.random.key(2)).data)(xs))
+    if np.mean(a != b) < 0.05:
+        bad.append(("keys 1 and 2", float(np.mean(a != b))))
+    print("BAD", bad)
+    """
+)
+
+
 def _run(script):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-P", "-c", script], env=env, capture_output=True, text=True, timeout=900)
@@ -173,3 +243,9 @@ def test_sharded_equals_unsharded():
 
 def test_dequantize_and_swizzle_sharded_equal_unsharded():
     _run(DEQUANTIZE_SCRIPT)
+
+
+def test_stochastic_rounding_sharded_equals_unsharded():
+    """NVFP4 stochastic rounding, rowwise and columnwise, x sharded along M, K and P (and two mesh axes on one dim):
+    every element draws the byte of its global index, so sharded == unsharded bit for bit, without gathering x."""
+    _run(SR_SCRIPT)

@@ -9,13 +9,15 @@ a module fixture starts them all at once (XLA compiles single-threaded, so they 
   slow), against the same step on one device.
   - The loss is a float32 mean of n per-token squared errors (>= 0): two summation orders differ by at most
     2 (n - 1) u * loss (u = 2^-24), the bound asserted for every recipe; observed: 0 to 5 ulps.
-  - mxfp8, nvfp4 (without stochastic rounding, see below), nvfp4-fwd-mxfp8-bwd: gradients and updated parameters
-    equal bit for bit. Why no tolerance is needed: per-token work is identical on every shard (the tensor amaxes are
-    reduced with pmax, exact; quantize keeps whole blocks per shard), and the cross-shard sums (wgrad over tokens, the
-    row-parallel fprop and column-parallel dgrad over features, dbias) add exact block-scaled products of a few
-    significant bits (NVFP4 value x scale: <= 6 bits, MXFP8: <= 4, products <= 12) in float32, where they are exact,
-    hence independent of the order, as long as one sum's terms span < 24 - 12 - log2(terms) binades (true here). The
-    LayerNorm parameter gradients (float32 sums over tokens) came out identical as well.
+  - mxfp8, nvfp4 (without stochastic rounding), nvfp4-sr (the default NVFP4 recipe: stochastic rounding of dY, RHT
+    wgrad, 2D weights), nvfp4-fwd-mxfp8-bwd: gradients and updated parameters equal bit for bit. Why no tolerance is
+    needed: per-token work is identical on every shard (the tensor amaxes are reduced with pmax, exact; quantize
+    keeps whole blocks per shard; stochastic rounding draws each element's global byte), and the cross-shard sums
+    (wgrad over tokens, the row-parallel fprop and column-parallel dgrad over features, dbias) add exact
+    block-scaled products of a few significant bits (NVFP4 value x scale: <= 6 bits, MXFP8: <= 4, products <= 12)
+    in float32, where they are exact, hence independent of the order, as long as one sum's terms span
+    < 24 - 12 - log2(terms) binades (true here). The LayerNorm parameter gradients (float32 sums over tokens) came
+    out identical as well.
   - nvfp4-1x64: its fprop operands enter the GEMM as float32 dequantized values, so the row-parallel fprop sum is an
     ordinary float32 sum (differences ~2^-24 relative) before the bfloat16 output cast, which may flip an output by
     one bfloat16 ulp (2^-8): asserted |dg| <= 2^-7 max|g| per tensor; observed bit-exact.
@@ -34,9 +36,10 @@ a module fixture starts them all at once (XLA compiles single-threaded, so they 
   weight (rows or columns split) quantizes with the global tensor amax (all-reduce(max) over "tensor"), bit for bit.
 * examples/train_lm.py --mesh 2x2 --preset tiny --steps 3 on 4 forced devices; its first loss equals the one-device
   run's within the float32 bound above.
-* Stochastic rounding under sharding (xfail while the gap lasts): jf4_quantize's sharding rule passes every shard
-  the same Philox key, and each shard numbers its elements from 0, so a sharded SR quantize draws other (and, across
-  shards, repeated) random bytes than the unsharded one.
+* Stochastic rounding under sharding: every element draws the random byte of its index in the global stored data
+  (each shard's body passes its offsets to the kernel / reference, see partitioning.py), so a sharded SR quantize
+  (rowwise and columnwise, x split over one or both mesh axes) equals the unsharded one bit for bit; nvfp4-sr above
+  checks it end to end.
 """
 
 from __future__ import annotations
@@ -69,7 +72,8 @@ STEP_SCRIPT = textwrap.dedent(
 
     D, HID, B, T, LR = 128, 256, 8, 32, 0.5
     RECIPES = {"bf16": recipes.BF16(), "mxfp8": recipes.MXFP8(), "nvfp4": recipes.NVFP4(stochastic_rounding=False),
-               "nvfp4-fwd-mxfp8-bwd": recipes.NVFP4Fwd_MXFP8Bwd(), "nvfp4-1x64": recipes.NVFP4_1x64()}
+               "nvfp4-fwd-mxfp8-bwd": recipes.NVFP4Fwd_MXFP8Bwd(), "nvfp4-1x64": recipes.NVFP4_1x64(),
+               "nvfp4-sr": recipes.NVFP4()}
     MESHES = {"dp 4x1": (4, 1), "tp 1x2": (1, 2), "dp+tp 2x2": (2, 2), "dp+tp 2x4": (2, 4)}
 
     def ann(init, spec, mesh):
@@ -238,10 +242,13 @@ HLO_SCRIPT = textwrap.dedent(
     # 40 rows per shard: 16x16 tiles would straddle shards, so the rule gathers the rows (still bit-exact).
     check("quantize weight rows split (tiles straddle)", wq, (w[:80], P("tensor", None)))
 
-    # Stochastic rounding (the known gap): equal?
-    sr = lambda x: jax_fp4.quantize(x, N(stochastic_rounding=True), key=jax.random.key(3))
-    out["sr equal"] = all(np.array_equal(u, v) for u, v in zip(
-        bits(jax.jit(sr)(x)), bits(jax.jit(sr)(jax.device_put(x, NamedSharding(mesh, P("data", None)))))))
+    # Stochastic rounding: each shard draws the bytes of its global indices, so sharded == unsharded.
+    srq = lambda x: jax_fp4.quantize_rowwise_columnwise(
+        x, N(stochastic_rounding=True), N(stochastic_rounding=True, rht=True), key=jax.random.key(3))[:2]
+    want = bits(jax.jit(srq)(x))
+    out["sr equal"] = [[str(s), all(np.array_equal(u, v) for u, v in zip(
+        want, bits(jax.jit(srq)(jax.device_put(x, NamedSharding(mesh, s)))), strict=True))]
+        for s in (P("data", None), P(None, "tensor"), P("data", "tensor"))]  # a list: not a collectives case
 
     def dense_step(recipe):
         def loss(x, w, b):
@@ -320,7 +327,7 @@ def runs(tmp_path_factory):
     """Start every subprocess now (they compile concurrently); tests wait for theirs."""
     r = _Runs(tmp_path_factory.mktemp("train_lm"))
     every = ["dp 4x1", "tp 1x2", "dp+tp 2x2", "dp+tp 2x4"]
-    r.start("step a", ["-c", STEP_SCRIPT, json.dumps({"nvfp4-1x64": ["dp+tp 2x2"],
+    r.start("step a", ["-c", STEP_SCRIPT, json.dumps({"nvfp4-1x64": ["dp+tp 2x2"], "nvfp4-sr": ["dp+tp 2x2"],
                                                       "nvfp4-fwd-mxfp8-bwd": ["dp+tp 2x2"]})], 8)
     r.start("step b", ["-c", STEP_SCRIPT, json.dumps({"nvfp4": ["dp 4x1", "dp+tp 2x2"]})], 8)
     r.start("step c", ["-c", STEP_SCRIPT, json.dumps({"bf16": every, "mxfp8": every})], 8)
@@ -332,12 +339,13 @@ def runs(tmp_path_factory):
 
 
 def test_train_step_sharded_equals_one_device(runs):
-    """bf16 and mxfp8 on 4x1, 1x2, 2x2 and 2x4; nvfp4 on 4x1 and 2x2; nvfp4-1x64 and nvfp4-fwd-mxfp8-bwd on 2x2 (every
-    operand split over both axes). The rest of the recipe x mesh product: the slow test."""
+    """bf16 and mxfp8 on 4x1, 1x2, 2x2 and 2x4; nvfp4 on 4x1 and 2x2; nvfp4-1x64, nvfp4-sr and nvfp4-fwd-mxfp8-bwd on
+    2x2 (every operand split over both axes). The rest of the recipe x mesh product: the slow test."""
     results = [x for name in ("step a", "step b", "step c") for x in runs.result(name)[0]]
     assert {(r["recipe"], r["mesh"]) for r in results} >= {
         *((n, m) for n in ("bf16", "mxfp8") for m in ("dp 4x1", "tp 1x2", "dp+tp 2x2", "dp+tp 2x4")),
-        ("nvfp4", "dp 4x1"), ("nvfp4", "dp+tp 2x2"), ("nvfp4-1x64", "dp+tp 2x2"), ("nvfp4-fwd-mxfp8-bwd", "dp+tp 2x2")}
+        ("nvfp4", "dp 4x1"), ("nvfp4", "dp+tp 2x2"), ("nvfp4-1x64", "dp+tp 2x2"), ("nvfp4-sr", "dp+tp 2x2"),
+        ("nvfp4-fwd-mxfp8-bwd", "dp+tp 2x2")}
     _check_steps(results)
 
 
@@ -416,12 +424,10 @@ def test_hlo_collectives(runs):
 
 
 def test_stochastic_rounding_sharded_equals_unsharded(runs):
-    """NVFP4 stochastic rounding of x sharded over "data" vs unsharded: an expected failure until jf4_quantize's
-    sharding rule offsets each shard's Philox stream (then this passes)."""
+    """NVFP4 stochastic rounding (rowwise, and RHT columnwise) of x split over "data", "tensor" and both equals the
+    unsharded quantize bit for bit: each shard draws the random bytes of its elements' global indices."""
     (out,), _ = runs.result("hlo")
-    if not out["sr equal"]:
-        pytest.xfail("jf4_quantize's sharding rule gives every shard the same Philox key and numbers its elements "
-                     "from 0: sharded stochastic rounding draws other random bytes than the unsharded one")
+    assert len(out["sr equal"]) == 3 and all(ok for _, ok in out["sr equal"]), out["sr equal"]
 
 
 def test_train_lm_mesh_cli(runs):

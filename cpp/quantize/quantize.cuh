@@ -46,6 +46,16 @@ struct Args {
   bool vector_loads;  // rows are 16-byte aligned (K * sizeof(In) % 16 == 0 and x aligned)
   int64_t row_scale_cols_padded, col_scale_cols_padded;  // padded scale-matrix columns (swizzled layout)
   int tiles_per_cta;  // 64-row tiles one thread block walks down (set by Launch)
+  // Stochastic-rounding stream of a shard (reference/sr.py). The element at index i of the *global* stored data
+  // takes byte i % 16 of Philox(i / 16). Null (the zero value, e.g. `Args a{}`): this call's data is the whole
+  // tensor, i = the local flat index. Otherwise uint32[6] on the device, in stored order (rowwise [P, M, K],
+  // columnwise [P, K, M]): (p_off, r_off, c_off, P_tot, R_tot, C_tot), the shard's offsets in the global stored
+  // data and its global dims, so i = ((p + p_off) * R_tot + r + r_off) * C_tot + c + c_off (P_tot is unused). The
+  // jf4_quantize handler points them at words 2..7 of an 8-word key operand (the Philox key is words 0..1). Needs
+  // C_tot % 16 == 0 and c_off % 16 == 0 (shards hold whole 16-blocks, which the sharding rule guarantees), so every
+  // 16-block starts at i % 16 == 0 and is one whole Philox output.
+  const uint32_t* stream_row = nullptr;
+  const uint32_t* stream_col = nullptr;
 };
 
 // Input element -> fp32 (exact widening).
@@ -107,7 +117,16 @@ __device__ __forceinline__ uint32_t EncodeNvfp4(const float (&v)[16], float bama
   return sc;
 }
 
-// Uniform dispatch on the SR flag (once per block, not per element); the Philox counter is flat / 16.
+// Index in the stochastic-rounding stream of element (p, r, c) of a stored [P, R, C] array whose local flat index is
+// `flat` (see Args::stream_row). Read only when SR is on.
+__device__ __forceinline__ int64_t StreamIndex(const uint32_t* g, int64_t flat, int64_t p, int64_t r, int64_t c) {
+  if (g == nullptr) return flat;
+  return ((p + __ldg(g)) * int64_t(__ldg(g + 4)) + r + __ldg(g + 1)) * int64_t(__ldg(g + 5)) + c + __ldg(g + 2);
+}
+
+// Uniform dispatch on the SR flag (once per block, not per element); the Philox counter is flat / 16, where `flat`
+// is the block's first element's index in the SR stream (the global stored data, see Args::stream_row), a multiple
+// of 16; the 16 values take bytes 0..15 of that one Philox output.
 __device__ __forceinline__ uint32_t EncodeNvfp4(const float (&v)[16], float bamax, float enc, bool local, bool sr,
                                                  int64_t flat, const uint32_t* key, uint8_t* dst) {
   if (sr) {
@@ -185,7 +204,9 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
       const bool local = opts & k1x64;
       const float enc = local ? cvt::WindowEncodeScale(wamax) : enc_row;
       const int64_t flat = (p * M + m) * K + k;  // element index in the stored [P, M, K]
-      const uint32_t sc = EncodeNvfp4(v, bamax, enc, local, opts & kSr, flat, a.key_row, a.row_data + flat / 2);
+      const bool sr = opts & kSr;
+      const int64_t sflat = sr ? StreamIndex(a.stream_row, flat, p, m, k) : flat;
+      const uint32_t sc = EncodeNvfp4(v, bamax, enc, local, sr, sflat, a.key_row, a.row_data + flat / 2);
       const int64_t si = p * M + m, sj = k >> 4;
       a.row_scale[a.swizzled ? SwizzledIndex(si, sj, a.row_scale_cols_padded) : si * (K >> 4) + sj] = uint8_t(sc);
       if (local && cg == 0) a.row_wamax[si * (K >> 6) + (k >> 6)] = wamax;
@@ -258,7 +279,9 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
         enc = enc_col;
       }
       const int64_t flat = (p * K + kc) * M + mc;  // element index in the stored [P, K, M]
-      const uint32_t sc = EncodeNvfp4(c, bamax, enc, local, opts & kSr, flat, a.key_col, a.col_data + flat / 2);
+      const bool sr = opts & kSr;
+      const int64_t sflat = sr ? StreamIndex(a.stream_col, flat, p, kc, mc) : flat;
+      const uint32_t sc = EncodeNvfp4(c, bamax, enc, local, sr, sflat, a.key_col, a.col_data + flat / 2);
       const int64_t si = p * K + kc, sj = mc >> 4;
       a.col_scale[a.swizzled ? SwizzledIndex(si, sj, a.col_scale_cols_padded) : si * (M >> 4) + sj] = uint8_t(sc);
       if (local && rb == 0) a.col_wamax[si * (M >> 6) + (mc >> 6)] = wamax;

@@ -1,7 +1,10 @@
 // FFI handler `jf4_quantize`: rowwise and/or columnwise NVFP4 / MXFP8 quantization of x[P, M, K] (quantize.cuh).
 //
-// Operands: x (bf16/f16/f32 [P, M, K]), amax_row f32[P], amax_col f32[P], key_row u32[2], key_col u32[2], then any
-// number of extra operands that are ignored (tests alias poisoned buffers to the results through them).
+// Operands: x (bf16/f16/f32 [P, M, K]), amax_row f32[P], amax_col f32[P], key_row u32[2 or 8], key_col u32[2 or 8],
+// then any number of extra operands that are ignored (tests alias poisoned buffers to the results through them).
+// A key of 2 words is the Philox key of stochastic rounding (this call's data is the whole tensor); 8 words are a
+// shard's stream: the key, then the shard's offsets and the global dims of that orientation's stored data
+// (quantize::Args::stream_row; built on the device by the sharding rule, so no host sync and no new attribute).
 // Results (7, placeholders of 0 elements where unused): row_data, row_scale, row_wamax, col_data, col_scale,
 // col_wamax, dbias. Attributes: row_kind, col_kind (quantize::Kind), flags (row options | col options << 8 |
 // swizzled << 16 | dbias << 17). Shapes are those of jax_fp4/_src/primitives/quantize.py; every one is checked
@@ -23,6 +26,9 @@ namespace jax_fp4 {
 namespace {
 
 using quantize::Args;
+
+// Words of a shard's stochastic-rounding stream (quantize.py SHARD_KEY_WORDS): k0, k1, 3 offsets, 3 global dims.
+constexpr size_t kShardKeyWords = 8;
 
 int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -132,7 +138,10 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
                                                std::to_string(row_kind) + ", col_kind " + std::to_string(col_kind));
   JF4_CHECK(static_cast<int64_t>(ElementCount(amax_row)) == P && static_cast<int64_t>(ElementCount(amax_col)) == P,
             "jf4_quantize: amax operands must hold P = " + std::to_string(P) + " floats");
-  JF4_CHECK(ElementCount(key_row) == 2 && ElementCount(key_col) == 2, "jf4_quantize: keys must be uint32[2]");
+  const auto key_ok = [](size_t n) { return n == 2 || n == kShardKeyWords; };
+  JF4_CHECK(key_ok(ElementCount(key_row)) && key_ok(ElementCount(key_col)),
+            "jf4_quantize: keys must be uint32[2] (Philox key) or uint32[8] (a shard's stream words), got " +
+                std::to_string(ElementCount(key_row)) + " and " + std::to_string(ElementCount(key_col)) + " words");
   JF4_CHECK(P <= 65535 && (M + 63) / 64 <= 65535 && (K + 63) / 64 <= (int64_t(1) << 31) - 1,
             "jf4_quantize: x " + Shape(P, M, K) + " exceeds the kernel's grid (P <= 65535, M <= 4194240)");
   const bool swizzled = flags & (1 << 16), with_dbias = flags & (1 << 17);
@@ -143,6 +152,8 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   a.P = P, a.M = M, a.K = K;
   a.amax_row = amax_row.typed_data(), a.amax_col = amax_col.typed_data();
   a.key_row = key_row.typed_data(), a.key_col = key_col.typed_data();
+  a.stream_row = ElementCount(key_row) == kShardKeyWords ? a.key_row + 2 : nullptr;
+  a.stream_col = ElementCount(key_col) == kShardKeyWords ? a.key_col + 2 : nullptr;
   a.row_opts = flags & 0xFF, a.col_opts = (flags >> 8) & 0xFF;
   a.swizzled = swizzled;
   bool zero_row = false, zero_col = false;

@@ -94,7 +94,9 @@ def quantize_with_amax(y, fmt: NVFP4, amax, key_words=None) -> NVFP4Parts:
     """The 1D/2D quantize of an already prepared y (float32, RHT applied) with a given tensor amax.
 
     amax: float32 broadcastable to y.shape[:-1] + (1,) (a scalar, or one per leading batch entry);
-    key_words: uint32[2] Philox key for stochastic rounding (`sr.philox_key`), else None (RNE).
+    key_words: uint32[2] Philox key for stochastic rounding (`sr.philox_key`), or uint32[2 + 2 * y.ndim], the
+      stream words of a shard of a larger tensor (`sr.shard_words`: its bytes are the global tensor's); else None
+      (RNE).
     """
     bs = fmt.block_size
     amax = jnp.asarray(amax, F32)
@@ -102,7 +104,7 @@ def quantize_with_amax(y, fmt: NVFP4, amax, key_words=None) -> NVFP4Parts:
     if fmt.scaling_2d:
         bamax = _tile_amax_2d(bamax, fmt.tile_2d)
     blocks = y.reshape(*y.shape[:-1], y.shape[-1] // bs, bs)
-    rbytes = None if key_words is None else sr.random_bytes_from_words(key_words, blocks.shape)
+    rbytes = None if key_words is None else sr.random_bytes_from_words(key_words, y.shape).reshape(blocks.shape)
     q, sc = encode_blocks(blocks, bamax, global_encode_scale(amax), rbytes)
     return NVFP4Parts(q.reshape(y.shape), sc, amax, None)
 

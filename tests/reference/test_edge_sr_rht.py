@@ -6,6 +6,8 @@ from rounding cases worked out in the comments; never from `jax_fp4.reference` i
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -65,6 +67,52 @@ def test_random_bytes_stream_layout():
     key = jax.random.key(1234)
     got = np.asarray(sr.random_bytes(key, (3, 40)))
     np.testing.assert_array_equal(got.reshape(-1), _stream_py(key, 120))
+
+
+# A shard data[o : o + n] of a global array (offsets o, global dims N): its bytes are the global stream's at the
+# shard's global indices (the sharding-exact stream of jf4_quantize). Rank 3 = the kernel's [P, R, C] stream words.
+SHARDS = [  # (global shape, offsets, shard shape)
+    ((3, 4, 48), (1, 2, 16), (2, 2, 32)),
+    ((2, 3, 64), (0, 0, 0), (2, 3, 64)),   # the whole tensor: the unsharded stream
+    ((4, 80), (3, 48), (1, 32)),
+    ((64,), (32,), (16,)),
+]
+
+
+@pytest.mark.parametrize("gshape,off,shape", SHARDS, ids=str)
+def test_random_bytes_shard_is_the_global_slice(gshape, off, shape):
+    key = jax.random.key(99)
+    k = sr.philox_key(key)
+    glob = _stream_py(key, int(np.prod(gshape))).reshape(gshape)
+    want = glob[tuple(slice(o, o + n) for o, n in zip(off, shape, strict=True))]
+    got = jax.jit(sr.random_bytes_shard, static_argnums=(1, 3))(k, shape, jnp.asarray(off, jnp.int32), gshape)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    words = sr.shard_words(k, off, gshape)  # uint32[2 + 2 d]: (k0, k1, offsets, global dims)
+    assert words.dtype == jnp.uint32 and words.shape == (2 + 2 * len(shape),)
+    np.testing.assert_array_equal(np.asarray(sr.random_bytes_from_words(words, shape)), want)
+
+
+def test_random_bytes_shard_rejects_split_granules():
+    k = jnp.zeros((2,), jnp.uint32)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        sr.random_bytes_shard(k, (2, 24), (0, 0), (2, 48))
+    with pytest.raises(ValueError, match="global last dim"):
+        sr.random_bytes_shard(k, (2, 16), (0, 0), (2, 40))
+    with pytest.raises(ValueError, match=re.escape("uint32[2] or uint32[6]")):
+        sr.random_bytes_from_words(jnp.zeros((5,), jnp.uint32), (2, 16))
+
+
+def test_sr_quantize_with_shard_words_is_the_global_slice(rng):
+    """nvfp4.quantize_with_amax of a shard with its stream words == the global quantize's slice (same amax)."""
+    from jax_fp4.reference import nvfp4
+    fmt = jax_fp4.NVFP4(stochastic_rounding=True)
+    y = jnp.asarray(rng.standard_normal((2, 32, 64)).astype(np.float32))
+    amax = jnp.max(jnp.abs(y))
+    k = sr.philox_key(jax.random.key(5))
+    glob = jax.jit(lambda y: nvfp4.quantize_with_amax(y, fmt, amax, k).codes)(y)
+    part = jax.jit(lambda y, w: nvfp4.quantize_with_amax(y, fmt, amax, w).codes)(
+        y[1:, 16:, 32:], sr.shard_words(k, (1, 16, 32), (2, 32, 64)))
+    np.testing.assert_array_equal(np.asarray(part), np.asarray(glob)[1:, 16:, 32:])
 
 
 # (v, r, expected code). u = r/256; step = 0.5 (a < 2), 1 (a < 4), 2 (else); t = a + u*step; floor onto the grid

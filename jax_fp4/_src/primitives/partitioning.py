@@ -8,7 +8,13 @@ Rules:
   * jf4_quantize (x[P, M, K]): parallel over P, M and K as long as each shard holds whole blocks, 2D tiles and
     1x64 windows (and whole 128-row tiles of swizzled scales, whole 64-row dbias stripes); a dimension that would
     split one is gathered instead. The amax operands arrive replicated, so every shard encodes with the global
-    tensor scale: sharded output == unsharded output.
+    tensor scale: sharded output == unsharded output. Stochastic rounding: the element at global index i of an
+    orientation's stored data (rowwise [P, M, K], columnwise [P, K, M]) takes byte i % 16 of Philox(i // 16) with
+    the caller's key, on every sharding. Each shard's body turns the replicated key words uint32[2] into the stream
+    words uint32[8] of its shard (`reference.sr.shard_words`: the key, the shard's offsets — `lax.axis_index` over
+    the mesh axes sharding each dim, times the local extent, traced — and the global dims, static), which the
+    kernel and the reference both index by the global position; the offsets never leave the device. The Philox
+    granule of 16 elements needs the block-axis offset % 16 == 0, which whole blocks per shard guarantee.
   * jf4_amax / jf4_rht_amax: each shard reduces its part, then `lax.pmax` over the mesh axes that shard x; the
     result is replicated and equals the unsharded amax bit for bit (max is exact and order-free).
   * jf4_dequantize (data[P, R, C]): parallel over P, R and C as long as each shard holds whole blocks (and 1x64
@@ -24,11 +30,13 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_fp4.formats import NVFP4
+from jax_fp4.reference import sr
 
 __all__ = ["dequantize_specs", "lowering", "quantize_result_specs", "quantize_x_spec", "swizzle_spec"]
 
@@ -190,8 +198,38 @@ def _quantize_rule(row_fmt, col_fmt, scale_layout, dbias, shape, devices):
     return f"p {m} {k}, p, p, q, r -> " + ", ".join(outs), {**ks, **ms}
 
 
+def _shard_index(mesh, ax):
+    """int32 index of this shard along a dim sharded over mesh axes `ax` (None, a name or a tuple of names, major
+    first, as in a PartitionSpec); 0 for an unsharded dim."""
+    idx = jnp.zeros((), jnp.int32)
+    for name in (() if ax is None else ax if isinstance(ax, tuple) else (ax,)):
+        idx = idx * mesh.shape[name] + jax.lax.axis_index(name)
+    return idx
+
+
+def _shard_keys(mesh, x_spec, global_shape, local_shape, key_row, key_col, sr_row, sr_col):
+    """The per-shard stream words uint32[8] of the stochastic-rounding orientations (module docstring): the shard's
+    offsets (p, m, k) = shard index * local extent, the global (P, M, K); columnwise data is [P, K, M]."""
+    P, M, K = global_shape
+    if max(global_shape) >= 2**32:
+        raise ValueError(f"jf4_quantize: stochastic rounding of a sharded x{list(global_shape)} needs dims < 2**32")
+    # The Philox granule: a 16-block must be one whole Philox output, so the block-axis offset (and the local
+    # block-axis extent) must be a multiple of 16; quantize_x_spec keeps whole blocks per shard, so it is.
+    for on, axis in ((sr_row, 2), (sr_col, 1)):
+        if on and local_shape[axis] % 16:  # pragma: no cover - an invariant of quantize_x_spec
+            raise AssertionError(f"jf4_quantize: SR shard {list(local_shape)} splits a 16-block of "
+                                 f"x{list(global_shape)}")
+    po, mo, ko = (_shard_index(mesh, ax) * n for ax, n in zip(x_spec, local_shape, strict=True))
+    if sr_row:
+        key_row = sr.shard_words(key_row, (po, mo, ko), (P, M, K))
+    if sr_col:
+        key_col = sr.shard_words(key_col, (po, ko, mo), (P, K, M))
+    return key_row, key_col
+
+
 def _quantize_cp(prim, params, avals_in, devices):
     row_fmt, col_fmt, layout, dbias = params["row_fmt"], params["col_fmt"], params["scale_layout"], params["dbias"]
+    sr_row, sr_col = (isinstance(f, NVFP4) and f.stochastic_rounding for f in (row_fmt, col_fmt))
 
     @custom_partitioning
     def f(*args):
@@ -212,8 +250,11 @@ def _quantize_cp(prim, params, avals_in, devices):
         args = (NamedSharding(mesh, PartitionSpec(*xs)), NamedSharding(mesh, PartitionSpec(xs[0])),
                 NamedSharding(mesh, PartitionSpec(xs[0])), rep, rep)
 
-        def lower(*a):
-            return tuple(prim.bind(*a, local=True, **params))
+        def lower(x, amax_row, amax_col, key_row, key_col):
+            if (sr_row or sr_col) and any(ax is not None for ax in xs):
+                key_row, key_col = _shard_keys(mesh, xs, arg_shapes[0].shape, x.shape, key_row, key_col, sr_row,
+                                               sr_col)
+            return tuple(prim.bind(x, amax_row, amax_col, key_row, key_col, local=True, **params))
 
         return mesh, lower, tuple(NamedSharding(mesh, s) for s in outs), args
 

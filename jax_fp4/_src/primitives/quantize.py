@@ -4,7 +4,12 @@ Operands:
   x: bfloat16/float16/float32 [P, M, K]. Rowwise blocks run along K, columnwise blocks along M, per leading p.
   amax_row, amax_col: float32 [P], the tensor amax each NVFP4 1D/2D/RHT orientation encodes with (ignored
     otherwise; for RHT the post-transform amax, see `rht_amax`).
-  key_row, key_col: uint32 [2], the Philox key words of NVFP4 stochastic rounding (`reference.sr.philox_key`).
+  key_row, key_col: uint32 [2], the Philox key words of NVFP4 stochastic rounding (`reference.sr.philox_key`);
+    the element at row-major index i of that orientation's stored data (row_data [P, M, K], col_data [P, K, M])
+    takes byte i % 16 of Philox(counter i // 16). Or uint32 [8], the stream words of one shard of a sharded
+    quantize (`reference.sr.shard_words`: k0, k1, the shard's offsets in the global stored data and its global
+    dims, in stored order: (p, m, k) rowwise, (p, k, m) columnwise), so that i is the global index and a sharded
+    SR quantize equals the unsharded one bit for bit (the sharding rule builds them; see `partitioning.py`).
 Static parameters: row_fmt, col_fmt (a Format or None; at least one), scale_layout ("compact"/"swizzled"),
   dbias (bool).
 Results (always seven; an absent output is a placeholder uint8/float32[0]):
@@ -42,9 +47,10 @@ from jax_fp4.formats import MXFP8, NVFP4, Format, round_up
 from jax_fp4.quantized_array import SCALE_LAYOUTS
 from jax_fp4.reference import codes, layout, mxfp8, nvfp4
 
-__all__ = ["quantize_p", "quantize_3d", "DBIAS_ROWS", "OUTPUT_NAMES"]
+__all__ = ["quantize_p", "quantize_3d", "DBIAS_ROWS", "OUTPUT_NAMES", "SHARD_KEY_WORDS"]
 
 DBIAS_ROWS = 64  # rows per dbias partial sum (the kernel's tile height)
+SHARD_KEY_WORDS = 8  # stream words of a shard: k0, k1, 3 offsets, 3 global dims (cpp/quantize/quantize.cuh Args)
 OUTPUT_NAMES = ("row_data", "row_scale", "row_wamax", "col_data", "col_scale", "col_wamax", "dbias")
 
 # FFI attribute encoding (cpp/quantize/quantize_params.h).
@@ -104,8 +110,10 @@ def _abstract_eval(x, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt,
     P, M, K = x.shape
     for name, a, shape, dt in (("amax_row", amax_row, (P,), jnp.float32), ("amax_col", amax_col, (P,), jnp.float32),
                                ("key_row", key_row, (2,), jnp.uint32), ("key_col", key_col, (2,), jnp.uint32)):
-        if a.shape != shape or a.dtype != dt:
-            raise ValueError(f"jf4_quantize: {name} must be {jnp.dtype(dt)}{list(shape)}, got {a.dtype}{list(a.shape)}")
+        if (a.shape != shape and not (name.startswith("key") and a.shape == (SHARD_KEY_WORDS,))) or a.dtype != dt:
+            alt = f" (or {jnp.dtype(dt)}[{SHARD_KEY_WORDS}], a shard's stream words)" if name.startswith("key") else ""
+            raise ValueError(f"jf4_quantize: {name} must be {jnp.dtype(dt)}{list(shape)}{alt}, got "
+                             f"{a.dtype}{list(a.shape)}")
     swz = scale_layout == "swizzled"
     outs = _orientation_avals(row_fmt, P, M, K, False, swz) + _orientation_avals(col_fmt, P, M, K, True, swz)
     db = jax.core.ShapedArray((P, -(-M // DBIAS_ROWS), K), jnp.float32) if dbias else _placeholder(jnp.float32)
