@@ -14,6 +14,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_rht_amax);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_dequantize);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_swizzle);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_unswizzle);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_grouped_quantize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_grouped_dequantize);
 
 namespace {
 
@@ -38,6 +40,8 @@ NB_MODULE(_jax_fp4_cuda, m) {
         d["jf4_dequantize"] = EncapsulateFfiHandler(jf4_dequantize);
         d["jf4_swizzle"] = EncapsulateFfiHandler(jf4_swizzle);
         d["jf4_unswizzle"] = EncapsulateFfiHandler(jf4_unswizzle);
+        d["jf4_grouped_quantize"] = EncapsulateFfiHandler(jf4_grouped_quantize);
+        d["jf4_grouped_dequantize"] = EncapsulateFfiHandler(jf4_grouped_dequantize);
         return d;
       },
       "Return {target_name: PyCapsule} for every FFI handler in this extension.");

@@ -41,9 +41,11 @@ concrete sizes; traced sizes are checked on the device: a misaligned group is po
 NaN NVFP4 amax), see `jax_fp4.reference.grouped`. Empty groups are legal. x.size < 2**31 (int32 offsets).
 
 Lowerings: the bit-exact reference (`reference.grouped.quantize_groups` / `dequantize_groups` / `column_sums`)
-everywhere; the CUDA lowering plugs in at the marked section below. vmap: `lax.map` over the batch (one unbatched
-call per example, so a kernel lowering serves batched calls too). Not differentiable (ragged_dot's custom VJP
-never differentiates it). No sharding rule yet (under jit with sharded inputs the call is replicated).
+by default (CPU); on CUDA, when the extension is built, the FFI targets `jf4_grouped_quantize` /
+`jf4_grouped_dequantize` (cpp/grouped/: one persistent launch over all groups each, same bits; see the CUDA section
+below). vmap: `lax.map` over the batch (one unbatched call per example, so a kernel lowering serves batched calls
+too). Not differentiable (ragged_dot's custom VJP never differentiates it). No sharding rule yet (under jit with
+sharded inputs the call is replicated).
 """
 
 from __future__ import annotations
@@ -52,9 +54,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
+from jax_fp4._src import ffi as _ffi
 from jax_fp4._src.primitives._common import def_impl
 from jax_fp4.formats import NVFP4, Format
 from jax_fp4.reference import codes
@@ -174,7 +178,7 @@ def _dequantize_abstract_eval(data, scale, amax, first_dims, last_dims, *, fmt, 
 grouped_dequantize_p.def_abstract_eval(_dequantize_abstract_eval)
 
 
-# ---- reference lowering (every platform today) ------------------------------------------------------------------
+# ---- reference lowering (every platform; CUDA below when the extension is built) ----------------------------------
 def reference_quantize(x, first_dims, last_dims, key_row, key_col, *, row_fmt, col_fmt, representation, dbias):
     """The primitive's semantics in pure jnp (its default lowering)."""
     outs = []
@@ -199,18 +203,98 @@ mlir.register_lowering(grouped_quantize_p, mlir.lower_fun(reference_quantize, mu
 mlir.register_lowering(grouped_dequantize_p, mlir.lower_fun(reference_dequantize, multiple_results=False))
 
 
-# ---- CUDA lowering: plugs in here ---------------------------------------------------------------------------------
-# A CUDA build that exports the FFI targets "jf4_grouped_quantize" / "jf4_grouped_dequantize" (cpp/grouped/, not
-# written yet) registers `jax.ffi.ffi_lowering(target)` for platform "cuda" at this point, guarded like the others:
-#
-#   if _ffi.ensure_registered() and "jf4_grouped_quantize" in _ffi.targets():
-#       mlir.register_lowering(grouped_quantize_p, _cuda_quantize_lowering, platform="cuda")
-#
-# with the operands above in order, the formats encoded as `jf4_quantize`'s row_kind / col_kind / flags attributes
-# (quantize.py: KIND_*, OPT_* << COL_SHIFT, FLAG_DBIAS) plus `representation` (int32: the index in Representation)
-# and falling back to the reference lowering for cases the kernel does not tile. The buffers' positions past the
-# last group must be written (code 0); the kernel reads first_dims / last_dims on the device only.
-CUDA_TARGETS = ("jf4_grouped_quantize", "jf4_grouped_dequantize")  # the FFI names the kernels will register
+# ---- CUDA lowering (cpp/grouped/) -------------------------------------------------------------------------------
+# One persistent launch per call: `jf4_grouped_quantize` (the per-group NVFP4 amax pass, then the quantize; an extra
+# float32[2N] scratch result holds the real per-group amaxes) and `jf4_grouped_dequantize`. Group sizes stay on the
+# device. The pairings one launch does not serve (MXFP8 rowwise with NVFP4 or the other MXFP8 columnwise) run two
+# launches; more than MAX_KERNEL_GROUPS groups run the reference. dbias is the reference's column sums (XLA ops).
+CUDA_TARGETS = ("jf4_grouped_quantize", "jf4_grouped_dequantize")
+MAX_KERNEL_GROUPS = 1024  # cpp/grouped/group_table.cuh kMaxGroups (the group table lives in shared memory)
+# jf4_grouped_quantize attributes: row_kind / col_kind and flags = row options | col options << COL_SHIFT, with the
+# kinds and options of jf4_quantize (quantize.py KIND_*, OPT_SR, OPT_RHT).
+KIND_NONE, KIND_NVFP4, KIND_MXFP8_E4M3, KIND_MXFP8_E5M2 = 0, 1, 2, 3
+OPT_SR, OPT_RHT, COL_SHIFT = 1, 2, 8
+# jf4_grouped_dequantize flags (cpp/grouped/grouped_dequantize_ffi.cu).
+DQ_COLUMNWISE, DQ_RHT, DQ_RAW = 1, 2, 4
+
+
+def _kind(fmt) -> int:
+    if fmt is None:
+        return KIND_NONE
+    if isinstance(fmt, NVFP4):
+        return KIND_NVFP4
+    return KIND_MXFP8_E4M3 if fmt.element == "e4m3" else KIND_MXFP8_E5M2
+
+
+def _options(fmt) -> int:
+    if not isinstance(fmt, NVFP4):
+        return 0
+    return (OPT_SR if fmt.stochastic_rounding else 0) | (OPT_RHT if fmt.rht else 0)
+
+
+def quantize_flags(row_fmt, col_fmt) -> dict:
+    """The `jf4_grouped_quantize` attributes of a format pairing (np.int32 values)."""
+    return dict(row_kind=np.int32(_kind(row_fmt)), col_kind=np.int32(_kind(col_fmt)),
+                flags=np.int32(_options(row_fmt) | (_options(col_fmt) << COL_SHIFT)))
+
+
+def dequantize_flags(fmt, axis, raw) -> dict:
+    """The `jf4_grouped_dequantize` attributes (np.int32 values)."""
+    f = (DQ_COLUMNWISE if axis == 0 else 0) | (DQ_RAW if raw and isinstance(fmt, NVFP4) else 0)
+    f |= DQ_RHT if isinstance(fmt, NVFP4) and fmt.rht else 0
+    return dict(kind=np.int32(_kind(fmt)), flags=np.int32(f))
+
+
+def _one_launch(row_fmt, col_fmt) -> bool:
+    """Pairings one kernel launch serves (grouped_quantize_ffi.cu `Supported`)."""
+    return row_fmt is None or col_fmt is None or isinstance(row_fmt, NVFP4) or row_fmt == col_fmt
+
+
+def quantize_result_shapes(size, n, row_fmt, col_fmt) -> list:
+    """ShapeDtypeStructs of the seven `jf4_grouped_quantize` results (the six outputs, then the amax scratch)."""
+    avals = _orientation_avals(row_fmt, size, n) + _orientation_avals(col_fmt, size, n)
+    nv = _tensor_scale(row_fmt) or _tensor_scale(col_fmt)
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals] + [
+        jax.ShapeDtypeStruct((2 * n if nv else 0,), jnp.float32)]
+
+
+def _kernel_quantize(x, first_dims, last_dims, key_row, key_col, *, row_fmt, col_fmt):
+    """The six orientation outputs from `jf4_grouped_quantize` launches."""
+    if not _one_launch(row_fmt, col_fmt):
+        row = _kernel_quantize(x, first_dims, last_dims, key_row, key_col, row_fmt=row_fmt, col_fmt=None)
+        col = _kernel_quantize(x, first_dims, last_dims, key_row, key_col, row_fmt=None, col_fmt=col_fmt)
+        return row[:3] + col[3:]
+    shapes = quantize_result_shapes(math.prod(x.shape), first_dims.shape[0], row_fmt, col_fmt)
+    outs = jax.ffi.ffi_call("jf4_grouped_quantize", shapes)(x, first_dims, last_dims, key_row, key_col,
+                                                             **quantize_flags(row_fmt, col_fmt))
+    return tuple(outs[:6])
+
+
+def cuda_quantize(x, first_dims, last_dims, key_row, key_col, *, row_fmt, col_fmt, representation, dbias):
+    """The CUDA lowering's function (module docstring semantics; the reference beyond MAX_KERNEL_GROUPS)."""
+    params = dict(row_fmt=row_fmt, col_fmt=col_fmt, representation=representation, dbias=dbias)
+    if first_dims.shape[0] > MAX_KERNEL_GROUPS:
+        return reference_quantize(x, first_dims, last_dims, key_row, key_col, **params)
+    outs = _kernel_quantize(x, first_dims, last_dims, key_row, key_col, row_fmt=row_fmt, col_fmt=col_fmt)
+    db = (ref.column_sums(x, first_dims, last_dims, representation) if dbias else jnp.zeros((0,), jnp.float32))
+    return (*outs, db)
+
+
+def cuda_dequantize(data, scale, amax, first_dims, last_dims, *, fmt, axis, x_shape, out_dtype, raw):
+    if first_dims.shape[0] > MAX_KERNEL_GROUPS:
+        return reference_dequantize(data, scale, amax, first_dims, last_dims, fmt=fmt, axis=axis, x_shape=x_shape,
+                                    out_dtype=out_dtype, raw=raw)
+    if raw or not _tensor_scale(fmt):
+        amax = jnp.zeros((0,), jnp.float32)
+    call = jax.ffi.ffi_call("jf4_grouped_dequantize", jax.ShapeDtypeStruct(tuple(x_shape), out_dtype))
+    return call(data, scale, amax, first_dims, last_dims, **dequantize_flags(fmt, axis, raw))
+
+
+if _ffi.ensure_registered() and all(t in _ffi.targets() for t in CUDA_TARGETS):
+    mlir.register_lowering(grouped_quantize_p, mlir.lower_fun(cuda_quantize, multiple_results=True),
+                           platform="cuda")
+    mlir.register_lowering(grouped_dequantize_p, mlir.lower_fun(cuda_dequantize, multiple_results=False),
+                           platform="cuda")
 
 
 # ---- batching: one unbatched call per example -------------------------------------------------------------------

@@ -1,0 +1,127 @@
+// Per-group NVFP4 tensor amax of a grouped buffer (NUMERICS.md sections 1 and 4), exactly as
+// jax_fp4.reference.grouped computes it before the quantize: the fmax-reduction of |y| over every 16-block of the
+// group's internal (oriented) order, y after the RHT for RHT formats.
+//
+// The reference builds a group's blocks from its oriented elements at local indices 0 .. round_up(M_g K_g, 16) - 1,
+// reading source element offsets[g] + local (rowwise) / offsets[g] + o2c(local) (columnwise) from x, bounded only by
+// the buffer. For an aligned group that is exactly its elements; a misaligned group's last block also reads a few
+// elements past the group (the next group's), and this kernel reads the same ones, so the amax (hence the codes)
+// match bit for bit.
+//
+// Work unit: 4 x 256 consecutive 16-blocks (chunks) of one group; thread t owns chunks t, t + 256, ...:
+//  * the flat chunk x[off + 16 j, off + 16 j + 16): the rowwise block (RHT: transformed) and, for the columnwise
+//    amax without RHT, the group's elements (a max is order-free), plus the columnwise padding of a misaligned
+//    group in its last chunk;
+//  * columnwise with RHT: the 16x1 column segment (column j % K_g, rows 16 (j / K_g) ...), adjacent threads on
+//    adjacent columns (coalesced); a misaligned group gathers its oriented blocks through o2c.
+// The block maxima meet in one atomicMax per unit and orientation on the fp32 bit patterns (non-negative, NaN
+// ignored as fmaxf does) into a zeroed float32[2N] scratch (row amaxes, then column amaxes).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/convert.cuh"
+#include "grouped/group_table.cuh"
+#include "quantize/quantize.cuh"
+
+namespace jax_fp4 {
+namespace grouped {
+
+struct AmaxArgs {
+  const void* x;
+  int64_t size;
+  int n;
+  const int32_t* first_dims;  // [N]
+  const int32_t* last_dims;   // [N]
+  uint32_t* amax_bits;        // [2N], zeroed: fp32 patterns of the row, then the column amaxes
+  bool row, col;              // NVFP4 orientations present
+  bool row_rht, col_rht;
+};
+
+constexpr int kAmaxUnroll = 4;  // chunks per thread and unit (independent loads in flight)
+
+__device__ __forceinline__ int64_t AmaxUnits(const Table& t, int g) {
+  return g < t.n ? CeilDiv(CeilDiv(t.Count(g), 16), int64_t(kThreads) * kAmaxUnroll) : 0;
+}
+
+template <typename In>
+__device__ __forceinline__ float LoadOr0(const In* x, int64_t i, int64_t size) {
+  return i < size ? quantize::ToFloat<In>(x[i]) : 0.0f;
+}
+
+// Max-accumulates chunk j (< chunks) of group g into *row / *col.
+template <typename In>
+__device__ __forceinline__ void AmaxChunk(const AmaxArgs& a, const In* x, int64_t off, int64_t cnt, int64_t m,
+                                          int64_t k, int64_t j, int64_t chunks, float* row, float* col) {
+  if (a.row || (a.col && !a.col_rht)) {
+    const int64_t s0 = off + 16 * j, left = a.size - s0;
+    const bool vector = reinterpret_cast<uintptr_t>(x + off) % 16 == 0;
+    float v[16];
+    quantize::Load16<In>(x + s0, left < 16 ? int(left) : 16, vector, v);
+    if (a.row) {
+      if (a.row_rht) {
+        float w[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) w[i] = v[i];
+        cvt::RhtForward16(w);
+        *row = fmaxf(*row, quantize::Max16(w));
+      } else {
+        *row = fmaxf(*row, quantize::Max16(v));  // a misaligned group's last chunk: the reference's padding too
+      }
+    }
+    if (a.col && !a.col_rht) {
+      const int64_t in_group = cnt - 16 * j;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        if (i < in_group) *col = cvt::AbsMax(*col, v[i]);
+      }
+      if (m % 16 != 0 && j == chunks - 1) {  // the columnwise padding of a misaligned group
+        for (int64_t l = cnt; l < chunks * 16; ++l) *col = cvt::AbsMax(*col, LoadOr0(x, off + O2C(l, m, k), a.size));
+      }
+    }
+  }
+  if (a.col && a.col_rht) {
+    float w[16];
+    if (m % 16 == 0) {  // the 16x1 segment: column j % K_g, rows 16 (j / K_g) ...
+      const uint32_t q = uint32_t(j) / uint32_t(k);  // j < 2^27, 0 < k < 2^31
+      const int64_t c = uint32_t(j) - q * uint32_t(k), r0 = int64_t(q) * 16;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) w[i] = LoadOr0(x, off + (r0 + i) * k + c, a.size);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) w[i] = LoadOr0(x, off + O2C(16 * j + i, m, k), a.size);
+    }
+    cvt::RhtForward16(w);
+    *col = fmaxf(*col, quantize::Max16(w));
+  }
+}
+
+template <typename In>
+__global__ void __launch_bounds__(kThreads) GroupedAmaxKernel(const AmaxArgs a) {
+  extern __shared__ int32_t table_smem[];
+  Table t = CarveTable(table_smem, a.n, a.size);
+  BuildTable(t, a.first_dims, a.last_dims, [](const Table& tt, int g) { return AmaxUnits(tt, g); });
+  const In* x = static_cast<const In*>(a.x);
+  for (int64_t u = blockIdx.x; u < t.Total(); u += gridDim.x) {
+    const int g = FindGroup(t, int32_t(u));
+    const int64_t off = t.off[g], cnt = t.Count(g), m = t.rows[g], k = t.cols[g];
+    const int64_t chunks = CeilDiv(cnt, 16);
+    float row = 0.0f, col = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kAmaxUnroll; ++r) {
+      const int64_t j = ((u - t.units[g]) * kAmaxUnroll + r) * kThreads + threadIdx.x;
+      if (j < chunks) AmaxChunk<In>(a, x, off, cnt, m, k, j, chunks, &row, &col);
+    }
+    const uint32_t rb = a.row ? BlockMaxBits(__float_as_uint(row)) : 0u;
+    const uint32_t cb = a.col ? BlockMaxBits(__float_as_uint(col)) : 0u;
+    if (threadIdx.x == 0) {
+      if (rb != 0u) atomicMax(a.amax_bits + g, rb);
+      if (cb != 0u) atomicMax(a.amax_bits + a.n + g, cb);
+    }
+  }
+}
+
+}  // namespace grouped
+}  // namespace jax_fp4

@@ -1,0 +1,185 @@
+// Grouped (MoE) dequantize: every group of one orientation's grouped data + scales back to f32 / bf16 / f16 in ONE
+// persistent launch (NUMERICS.md section 4), bit-exact to jax_fp4.reference.grouped.dequantize_groups.
+//
+// Scheduling as grouped_quantize.cuh (group_table.cuh), with the output tail (positions past the last group) zeroed:
+//  * Tile path (aligned group, 16-aligned offset, inside the buffer): the single-tensor decode routine
+//    dequantize::DecodeSegment on a dequantize::Args describing the group as a [1, R, C] tensor (data / scales offset
+//    to the group, its amax). Stored layouts that keep x's layout (NVFP4 rowwise, MXFP8 both orientations) run 256
+//    segments of 16 elements per unit, RowsKernel style; NVFP4 columnwise (stored x_g.T) runs 64x64 tiles written
+//    transposed through shared memory. raw (the GEMM emulation's operand value(q) * s_b) uses the tensor amax 2688:
+//    (s_b * 2688) * fp32(1/2688) == s_b exactly for every E4M3 value, and skips the inverse RHT.
+//  * Generic path (misaligned traced groups and their successors): one thread per internal block of the group's
+//    oriented order, reading codes and the scale slot exactly where the reference does (bounded by the buffers).
+// Every output element is written exactly once; no atomics, no scratch (CUDA-graph safe).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "common/convert.cuh"
+#include "dequantize/dequantize.cuh"
+#include "grouped/group_table.cuh"
+
+namespace jax_fp4 {
+namespace grouped {
+
+struct DequantArgs {
+  const uint8_t* data;   // [size] codes (NVFP4 packed two per byte, even index in the low nibble)
+  const uint8_t* scale;  // [size / block] compact scales, group g at offsets[g] / block
+  const float* amax;     // [N] NVFP4 tensor amax (null for MXFP8 and raw)
+  void* out;             // [size]
+  int64_t size;
+  int n;
+  const int32_t* first_dims;  // [N]
+  const int32_t* last_dims;   // [N]
+  bool col;  // columnwise (axis 0): NVFP4 data is x_g.T, MXFP8 scales [M_g / 32, K_g]
+  bool rht;  // NVFP4 RHT (inverse applied unless raw)
+  bool raw;  // NVFP4 value(q) * s_b, no tensor scale, no inverse RHT
+};
+
+static __device__ float grouped_raw_amax = 2688.0f;  // raw mode's tensor amax (see the file comment)
+
+template <int kKind>
+__device__ __forceinline__ bool DequantTilePath(const DequantArgs& a, const Table& t, int g) {
+  constexpr int bs = kKind == dequantize::kNvfp4 ? 16 : 32;
+  return t.off[g] % 16 == 0 && t.Inside(g) && (a.col ? t.rows[g] : t.cols[g]) % bs == 0;
+}
+
+template <int kKind>
+__device__ __forceinline__ int64_t DequantUnits(const DequantArgs& a, const Table& t, int g) {
+  constexpr int bs = kKind == dequantize::kNvfp4 ? 16 : 32;
+  if (g == t.n) return CeilDiv(t.size - t.off[t.n], int64_t(kThreads) * 16);
+  const int64_t cnt = t.Count(g), m = t.rows[g], k = t.cols[g];
+  if (cnt == 0) return 0;
+  if (!DequantTilePath<kKind>(a, t, g)) return CeilDiv(CeilDiv(cnt, bs), kThreads);
+  if (kKind == dequantize::kNvfp4 && a.col) return CeilDiv(k, dequantize::kTile) * CeilDiv(m, dequantize::kTile);
+  return CeilDiv(m * CeilDiv(k, dequantize::kSeg), kThreads);
+}
+
+template <typename Out>
+__device__ __forceinline__ void StoreOne(void* out, int64_t p, float v) {
+  using Bits = typename std::conditional<sizeof(Out) == 4, uint32_t, uint16_t>::type;
+  static_cast<Bits*>(out)[p] = Bits(dequantize::OutBits<Out>(v));
+}
+
+// Internal block b of group g, as the reference decodes it (codes / scale slots outside the buffers read as 0).
+template <typename Out, int kKind>
+__device__ __forceinline__ void GenericDequant(const DequantArgs& a, const Table& t, int g, int64_t b) {
+  const int64_t off = t.off[g], cnt = t.Count(g), m = t.rows[g], k = t.cols[g], end = t.off[g + 1];
+  if constexpr (kKind == dequantize::kNvfp4) {
+    if (16 * b >= cnt) return;
+    const int64_t si = off / 16 + b;
+    const float s_b = cvt::E4M3Value(si < a.size / 16 ? a.scale[si] : 0u);
+    const float f = a.raw ? s_b : __fmul_rn(__fmul_rn(s_b, a.amax[g]), cvt::kInv2688());
+    float v[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int64_t e = off + 16 * b + i;
+      const uint32_t q = e < a.size ? (a.data[e >> 1] >> (4 * (e & 1))) & 0xFu : 0u;
+      v[i] = __fmul_rn(dequantize::E2M1Value(q), f);
+    }
+    if (a.rht && !a.raw) dequantize::RhtInverse16(v);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int64_t l = 16 * b + i, p = off + (a.col ? O2C(l, m, k) : l);
+      if (l < cnt && p < end) StoreOne<Out>(a.out, p, v[i]);
+    }
+  } else {
+    if (32 * b >= cnt) return;
+    const int64_t si = off / 32 + (a.col ? O2C(b, m / 32, k) : b);
+    const float s = dequantize::E8M0Value(si < a.size / 32 ? a.scale[si] : 0u);
+    for (int i = 0; i < 32; ++i) {
+      const int64_t l = 32 * b + i;
+      if (l >= cnt) break;
+      const int64_t p = off + (a.col ? O2C(l, m, k) : l);
+      if (p < end) StoreOne<Out>(a.out, p, __fmul_rn(dequantize::Fp8Value<kKind>(a.data[p]), s));
+    }
+  }
+}
+
+template <typename Out, int kKind>
+__global__ void __launch_bounds__(kThreads) GroupedDequantizeKernel(const DequantArgs a) {
+  constexpr bool kNv = kKind == dequantize::kNvfp4;
+  constexpr int bs = kNv ? 16 : 32;
+  __shared__ float tile[kNv ? dequantize::kTile : 1][dequantize::kTile + 1];  // NVFP4 columnwise transpose
+  extern __shared__ int32_t table_smem[];
+  Table t = CarveTable(table_smem, a.n, a.size);
+  BuildTable(t, a.first_dims, a.last_dims, [&a](const Table& tt, int g) { return DequantUnits<kKind>(a, tt, g); });
+  Out* out = static_cast<Out*>(a.out);
+  for (int64_t u = blockIdx.x; u < t.Total(); u += gridDim.x) {
+    const int g = FindGroup(t, int32_t(u));  // uniform over the block
+    const int64_t lu = u - t.units[g];
+    if (g == t.n) {  // zero the positions past the last group
+      const int64_t p0 = t.off[t.n] + (lu * kThreads + threadIdx.x) * 16;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        if (p0 + i < a.size) StoreOne<Out>(a.out, p0 + i, 0.0f);
+      }
+      continue;
+    }
+    if (!DequantTilePath<kKind>(a, t, g)) {
+      GenericDequant<Out, kKind>(a, t, g, lu * kThreads + threadIdx.x);
+      continue;
+    }
+    const int64_t off = t.off[g], m = t.rows[g], k = t.cols[g];
+    const bool transposed = kNv && a.col;
+    dequantize::Args d{};
+    d.data = a.data + (kNv ? off / 2 : off);
+    d.scale = a.scale + off / bs;
+    d.amax = kNv ? (a.raw ? &grouped_raw_amax : a.amax + g) : nullptr;
+    d.P = 1;
+    d.R = transposed ? k : m;
+    d.C = transposed ? m : k;
+    d.segs_per_row = CeilDiv(d.C, dequantize::kSeg);
+    d.scale_cols_padded = 0;
+    d.flags = (kNv && a.rht && !a.raw ? dequantize::kRht : 0) | (!kNv && a.col ? dequantize::kMxColumnwise : 0);
+    d.vector_data = d.C % dequantize::kSeg == 0 && reinterpret_cast<uintptr_t>(d.data) % (kNv ? 8 : 16) == 0 &&
+                    (kNv || !a.col || reinterpret_cast<uintptr_t>(d.scale) % 16 == 0);
+    Out* og = out + off;  // x_g [M_g, K_g]
+    const bool vector_out = (k * int64_t(sizeof(Out))) % 16 == 0 && reinterpret_cast<uintptr_t>(og) % 16 == 0;
+    if constexpr (kNv) {
+      if (transposed) {  // stored [K_g, M_g] -> x_g [M_g, K_g] through shared memory
+        const uint32_t c_tiles = uint32_t(CeilDiv(d.C, dequantize::kTile)), rt = uint32_t(lu) / c_tiles;
+        const int64_t r0 = int64_t(rt) * dequantize::kTile;
+        const int64_t c0 = int64_t(uint32_t(lu) - rt * c_tiles) * dequantize::kTile;
+        const int lr = threadIdx.x >> 2, cg = threadIdx.x & 3;
+        float v[16];
+        if (r0 + lr < d.R && c0 + cg * 16 < d.C) {
+          dequantize::DecodeSegment<dequantize::kNvfp4>(d, r0 + lr, c0 + cg * 16, 16, v);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 16; ++i) v[i] = 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < 16; ++i) tile[cg * 16 + i][lr] = v[i];
+        __syncthreads();
+        const int64_t orow = c0 + lr, ocol = r0 + cg * 16;  // x_g row (a stored column), 16 x_g columns
+        if (orow < d.C && ocol < d.R) {
+#pragma unroll
+          for (int i = 0; i < 16; ++i) v[i] = tile[lr][cg * 16 + i];
+          const int64_t left = d.R - ocol;
+          dequantize::Store16<Out>(og + orow * d.R + ocol, v, left < 16 ? int(left) : 16, vector_out);
+        }
+        __syncthreads();  // the tile is reused by the next unit
+        continue;
+      }
+    }
+    const uint32_t seg = uint32_t(lu) * kThreads + threadIdx.x;  // < 2^31: segments of one group
+    if (seg < d.R * d.segs_per_row) {
+      const uint32_t spr = uint32_t(d.segs_per_row), row = seg / spr;
+      const int64_t c = int64_t(seg - row * spr) * dequantize::kSeg;
+      const int64_t left = d.C - c;
+      const int valid = left < dequantize::kSeg ? int(left) : dequantize::kSeg;
+      float v[16];
+      dequantize::DecodeSegment<kKind>(d, row, c, valid, v);
+      dequantize::Store16<Out>(og + row * d.C + c, v, valid, vector_out);
+    }
+  }
+}
+
+}  // namespace grouped
+}  // namespace jax_fp4
