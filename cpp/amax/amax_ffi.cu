@@ -1,37 +1,17 @@
 // FFI handler `jf4_amax`: out[] (fp32 scalar) = fmax-reduction of |x| over every element of x (bf16/f16/f32).
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstddef>
 #include <string>
 
 #include "amax/amax.cuh"
 #include "common/errors.h"
+#include "common/sm_count.h"
 #include "common/ffi_utils.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_fp4 {
 namespace {
-
-// SM count of the current device, cached per device (host-only queries: valid during CUDA-graph capture).
-cudaError_t NumSms(int* num_sms) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const bool cacheable = device >= 0 && device < kMaxDevices;
-  if (cacheable) {
-    const int cached = cache[device].load(std::memory_order_relaxed);
-    if (cached > 0) {
-      *num_sms = cached;
-      return cudaSuccess;
-    }
-  }
-  err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess && cacheable) cache[device].store(*num_sms, std::memory_order_relaxed);
-  return err;
-}
 
 template <typename Bits>
 ffi::Error Launch(const ffi::AnyBuffer& x, size_t n, float* out, cudaStream_t stream) {

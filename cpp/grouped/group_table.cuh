@@ -12,10 +12,11 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <climits>
 #include <cstddef>
 #include <cstdint>
+
+#include "common/sm_count.h"
 
 namespace jax_fp4 {
 namespace grouped {
@@ -170,26 +171,6 @@ __device__ __forceinline__ uint32_t BlockMaxBits(uint32_t v) {
 }
 
 // ---- host side ----------------------------------------------------------------------------------------------------
-// SM count of the current device, cached per device (host-only queries: valid during CUDA-graph capture).
-inline cudaError_t NumSms(int* num_sms) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const bool cacheable = device >= 0 && device < kMaxDevices;
-  if (cacheable) {
-    const int cached = cache[device].load(std::memory_order_relaxed);
-    if (cached > 0) {
-      *num_sms = cached;
-      return cudaSuccess;
-    }
-  }
-  err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess && cacheable) cache[device].store(*num_sms, std::memory_order_relaxed);
-  return err;
-}
-
 // Persistent grid: as many blocks as are resident at once (every block then grid-strides over the units).
 template <typename Kernel>
 cudaError_t PersistentGrid(Kernel kernel, size_t smem_bytes, unsigned* grid) {

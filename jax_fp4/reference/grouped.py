@@ -32,8 +32,10 @@ arrays are checked too (ValueError naming the group; a concrete jax array is rea
 outside jit), as are negative sizes and groups overrunning the buffer. Traced sizes cannot be checked at trace time;
 a misaligned group is *poisoned* instead, on the device, without a host sync: its scale codes are NaN (E4M3 0x7F,
 E8M0 0xFF), its MXFP8 data codes NaN (0x7F, e4m3fn and e5m2), its NVFP4 amax NaN, so it dequantizes (and multiplies)
-to NaN and the error cannot pass silently. Its E2M1 codes are unspecified. The other groups keep the contract, their
-scales still at offsets[g] // block (every block is built from one group's elements, every index is bounds-checked).
+to NaN and the error cannot pass silently. Its E2M1 codes are unspecified (its last, partial block reads on into the
+next group's elements; the CUDA kernel reproduces even those codes). The other groups keep the contract, their scales
+still at offsets[g] // block (each of their blocks is built from that group's elements; every index is
+bounds-checked).
 A negative traced size counts as 0; groups overrunning the buffer (traced sizes summing past it) are truncated, with
 unspecified values. Offsets are int32 (x.size < 2**31).
 
