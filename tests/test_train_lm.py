@@ -107,9 +107,14 @@ def test_scan_layers():
     assert k.shape == (2, 2) and not np.array_equal(k[0], k[1])
 
 
-def test_checkpoint_roundtrip_with_rng_streams(tmp_path):
-    """nvfp4 keeps a stochastic-rounding rng stream (typed key + counter) per layer; all of it is saved and restored."""
-    cfg = lm_model.ModelConfig(d_model=64, n_layers=1, n_heads=2, seq=32)
+@pytest.mark.parametrize("cfg_kw,streams", [
+    (dict(d_model=64, n_heads=2, seq=32), 4),  # qkv, out, up, down
+    ("moe", 3),  # qkv, out, the MoEMLP's one stream
+], ids=["dense", "moe"])
+def test_checkpoint_roundtrip_with_rng_streams(tmp_path, cfg_kw, streams):
+    """nvfp4 keeps a stochastic-rounding rng stream (typed key + counter) per layer (MoE blocks: in the MoEMLP too);
+    all of it is saved and restored."""
+    cfg = lm_model.ModelConfig(n_layers=1, **(MOE_CFG if cfg_kw == "moe" else cfg_kw))
     _, state, _ = lm_model.build(cfg, recipes.NVFP4(), lm_model.OptConfig(), seed=1)
     # advance the rng counters so that restoring them is visible
     state = jax.tree.map(lambda x: x + 5 if x.dtype == np.uint32 and x.ndim == 0 else x, state)
@@ -119,7 +124,7 @@ def test_checkpoint_roundtrip_with_rng_streams(tmp_path):
     _, fresh, _ = lm_model.build(cfg, recipes.NVFP4(), lm_model.OptConfig(), seed=2)
     restored, meta = train_lm.restore_checkpoint(mgr, mgr.latest_step(), fresh)
     assert meta == {"step": 7, "rows": []}
-    assert sum(map(train_lm._is_key, jax.tree.leaves(restored))) == 4  # qkv, out, up, down: typed keys again
+    assert sum(map(train_lm._is_key, jax.tree.leaves(restored))) == streams  # typed keys again
     raw = lambda tree: jax.tree.map(lambda x: jax.random.key_data(x) if train_lm._is_key(x) else x, tree)  # noqa: E731
     _bits_equal_trees(raw(restored), raw(state))
 
@@ -279,21 +284,6 @@ def test_moe_scan_layers():
     (_, (ce_s, aux_s)), (obj_u, (ce_u, aux_u)) = terms(scanned, batch), terms(unrolled, batch)
     np.testing.assert_allclose([ce_s, aux_s], [ce_u, aux_u], rtol=2e-3)
     assert float(obj_u) == pytest.approx(float(ce_u) + 0.01 * float(aux_u), rel=1e-6) and 0.9 < float(aux_u) < 2
-
-
-def test_moe_checkpoint_roundtrip(tmp_path):
-    """nvfp4 MoE blocks keep a stochastic-rounding rng stream in the MoEMLP too; all of it is saved and restored."""
-    cfg = lm_model.ModelConfig(n_layers=1, **MOE_CFG)
-    _, state, _ = lm_model.build(cfg, recipes.NVFP4(), lm_model.OptConfig(), seed=1)
-    state = jax.tree.map(lambda x: x + 5 if x.dtype == np.uint32 and x.ndim == 0 else x, state)
-    mgr = train_lm._checkpointer(tmp_path / "ck")
-    train_lm.save_checkpoint(mgr, 7, state, {"step": 7, "rows": []})
-    mgr.wait_until_finished()
-    _, fresh, _ = lm_model.build(cfg, recipes.NVFP4(), lm_model.OptConfig(), seed=2)
-    restored, _ = train_lm.restore_checkpoint(mgr, mgr.latest_step(), fresh)
-    assert sum(map(train_lm._is_key, jax.tree.leaves(restored))) == 3  # qkv, out, mlp (the MoEMLP's one stream)
-    raw = lambda tree: jax.tree.map(lambda x: jax.random.key_data(x) if train_lm._is_key(x) else x, tree)  # noqa: E731
-    _bits_equal_trees(raw(restored), raw(state))
 
 
 def test_moe_resume(tmp_path, capsys):
