@@ -24,6 +24,12 @@
 #include <cmath>
 #define JF4_HD inline
 #endif
+// `#pragma unroll` for the device pass only (the host compiler does not know it and warns under -Wall).
+#if defined(__CUDA_ARCH__)
+#define JF4_UNROLL _Pragma("unroll")
+#else
+#define JF4_UNROLL
+#endif
 
 namespace jax_fp4 {
 namespace e2m1 {
@@ -152,7 +158,7 @@ JF4_HD uint32_t Pack8(const float* v, float mult, const uint32_t (&rnd)[4], int 
 #endif
   uint32_t acc = 0;
   float c[8];
-#pragma unroll
+  JF4_UNROLL
   for (int j = 0; j < 8; ++j) {
 #if defined(__CUDA_ARCH__)
     c[j] = Clamp6(__fmul_rn(v[j], mult));

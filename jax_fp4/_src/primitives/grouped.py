@@ -44,8 +44,10 @@ Lowerings: the bit-exact reference (`reference.grouped.quantize_groups` / `dequa
 by default (CPU); on CUDA, when the extension is built, the FFI targets `jf4_grouped_quantize` /
 `jf4_grouped_dequantize` (cpp/grouped/: one persistent launch over all groups each, same bits; see the CUDA section
 below). vmap: `lax.map` over the batch (one unbatched call per example, so a kernel lowering serves batched calls
-too). Not differentiable (ragged_dot's custom VJP never differentiates it). No sharding rule yet (under jit with
-sharded inputs the call is replicated).
+too). Not differentiable (ragged_dot's custom VJP never differentiates it). Sharding: `partitioning.py` (the
+grouped row axis is gathered; K is parallel for MXFP8 quantize and MXFP8 / NVFP4 rowwise dequantize of
+SAME_BOTH_DIMS / VARYING_FIRST_DIM, otherwise the call is replicated); `local` (set by the rule's per-shard
+bind) is accepted by every rule and dropped by the lowering wrapper.
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from jax_fp4._src import ffi as _ffi
+from jax_fp4._src.primitives import partitioning
 from jax_fp4._src.primitives._common import def_impl
+from jax_fp4._src.primitives.quantize import OPT_RHT, OPT_SR, _kind
 from jax_fp4.formats import NVFP4, Format
 from jax_fp4.reference import codes
 from jax_fp4.reference import grouped as ref
@@ -151,7 +155,7 @@ def _quantize_abstract_eval(x, first_dims, last_dims, key_row, key_col, *, row_f
     return (*outs, db)
 
 
-grouped_quantize_p.def_abstract_eval(_quantize_abstract_eval)
+grouped_quantize_p.def_abstract_eval(lambda *a, local=False, **p: _quantize_abstract_eval(*a, **p))
 
 
 def _dequantize_abstract_eval(data, scale, amax, first_dims, last_dims, *, fmt, axis, x_shape, out_dtype, raw):
@@ -175,7 +179,7 @@ def _dequantize_abstract_eval(data, scale, amax, first_dims, last_dims, *, fmt, 
     return _ShapedArray(tuple(x_shape), out_dtype)
 
 
-grouped_dequantize_p.def_abstract_eval(_dequantize_abstract_eval)
+grouped_dequantize_p.def_abstract_eval(lambda *a, local=False, **p: _dequantize_abstract_eval(*a, **p))
 
 
 # ---- reference lowering (every platform; CUDA below when the extension is built) ----------------------------------
@@ -199,8 +203,11 @@ def reference_dequantize(data, scale, amax, first_dims, last_dims, *, fmt, axis,
                                  x_shape, out_dtype, raw=raw)
 
 
-mlir.register_lowering(grouped_quantize_p, mlir.lower_fun(reference_quantize, multiple_results=True))
-mlir.register_lowering(grouped_dequantize_p, mlir.lower_fun(reference_dequantize, multiple_results=False))
+# Through the sharding rules (partitioning.py); `local` is the per-shard bind's flag, consumed by the wrapper.
+mlir.register_lowering(grouped_quantize_p, partitioning.lowering(
+    grouped_quantize_p, mlir.lower_fun(reference_quantize, multiple_results=True), "grouped_quantize"))
+mlir.register_lowering(grouped_dequantize_p, partitioning.lowering(
+    grouped_dequantize_p, mlir.lower_fun(reference_dequantize, multiple_results=False), "grouped_dequantize"))
 
 
 # ---- CUDA lowering (cpp/grouped/) -------------------------------------------------------------------------------
@@ -212,18 +219,9 @@ CUDA_TARGETS = ("jf4_grouped_quantize", "jf4_grouped_dequantize")
 MAX_KERNEL_GROUPS = 1024  # cpp/grouped/group_table.cuh kMaxGroups (the group table lives in shared memory)
 # jf4_grouped_quantize attributes: row_kind / col_kind and flags = row options | col options << COL_SHIFT, with the
 # kinds and options of jf4_quantize (quantize.py KIND_*, OPT_SR, OPT_RHT).
-KIND_NONE, KIND_NVFP4, KIND_MXFP8_E4M3, KIND_MXFP8_E5M2 = 0, 1, 2, 3
-OPT_SR, OPT_RHT, COL_SHIFT = 1, 2, 8
+COL_SHIFT = 8
 # jf4_grouped_dequantize flags (cpp/grouped/grouped_dequantize_ffi.cu).
 DQ_COLUMNWISE, DQ_RHT, DQ_RAW = 1, 2, 4
-
-
-def _kind(fmt) -> int:
-    if fmt is None:
-        return KIND_NONE
-    if isinstance(fmt, NVFP4):
-        return KIND_NVFP4
-    return KIND_MXFP8_E4M3 if fmt.element == "e4m3" else KIND_MXFP8_E5M2
 
 
 def _options(fmt) -> int:
@@ -291,10 +289,12 @@ def cuda_dequantize(data, scale, amax, first_dims, last_dims, *, fmt, axis, x_sh
 
 
 if _ffi.ensure_registered() and all(t in _ffi.targets() for t in CUDA_TARGETS):
-    mlir.register_lowering(grouped_quantize_p, mlir.lower_fun(cuda_quantize, multiple_results=True),
-                           platform="cuda")
-    mlir.register_lowering(grouped_dequantize_p, mlir.lower_fun(cuda_dequantize, multiple_results=False),
-                           platform="cuda")
+    mlir.register_lowering(grouped_quantize_p, partitioning.lowering(
+        grouped_quantize_p, mlir.lower_fun(cuda_quantize, multiple_results=True), "grouped_quantize"),
+        platform="cuda")
+    mlir.register_lowering(grouped_dequantize_p, partitioning.lowering(
+        grouped_dequantize_p, mlir.lower_fun(cuda_dequantize, multiple_results=False), "grouped_dequantize"),
+        platform="cuda")
 
 
 # ---- batching: one unbatched call per example -------------------------------------------------------------------

@@ -23,6 +23,22 @@ Rules:
     replicated operand (sharded with P when it holds one value per p), so sharded output == unsharded output.
   * jf4_swizzle / jf4_unswizzle ([..., rows, cols]): leading dimensions parallel; rows sharded in whole 128-row
     tiles (then the padded matrix has no padding rows and each shard's tiles are contiguous); columns gathered.
+  * jf4_grouped_quantize / jf4_grouped_dequantize (x[R, K], groups of rows; `partitioning_grouped.py`): the
+    grouped row axis R is always gathered (the groups are traced, data-dependent row ranges). K is parallel, in
+    whole 32-blocks, only for SAME_BOTH_DIMS / VARYING_FIRST_DIM (every group has all K columns; VARYING_LAST_DIM /
+    VARYING_BOTH_DIMS gather everything) and only where the flat buffers are row-major views of x: quantize with
+    MXFP8 formats only (rowwise data / scales [R, K] / [R, K/32], columnwise [R, K] / [R/32, K], dbias [N, K]);
+    dequantize of MXFP8 (either orientation) and NVFP4 rowwise (whole 16-blocks, the RHT's 16-chunks). A quantize
+    shard runs the primitive on its K slice with last_dims // shards and returns [R, K/s] views of its flat
+    buffers; the flat results are those views reshaped, which XLA assembles from the shards (the codes move, never
+    x). The dequantize operands are replicated (the primitive does not know the representation) and a shard of a
+    K-sharded output reads only its K slice when every last_dim == K, else (a traced branch) dequantizes all and
+    keeps its slice. Gathered (x replicated, one call per device): any NVFP4 quantize -- the per-group tensor amax
+    is computed inside the fused kernel (and the reference) and feeds the encoding, so a shard would encode with a
+    partial amax; sharding it needs an amax operand -- hence also NVFP4 stochastic rounding (its per-group stream
+    is indexed by the position in the whole group); NVFP4 columnwise dequantize (its data [K, M_g] per group
+    interleaves the K slices); MXFP8 columnwise with R % 32 != 0. A poisoned (misaligned) group stays NaN but may
+    sit elsewhere in a K-sharded MXFP8 buffer.
 """
 
 from __future__ import annotations
@@ -462,6 +478,12 @@ def lowering(prim, inner, kind: str):
             f = _quantize_cp(prim, params, ctx.avals_in, devices)
         elif kind == "dequantize":
             f = _dequantize_cp(prim, params, ctx.avals_in, devices)
+        elif kind == "grouped_quantize":
+            from jax_fp4._src.primitives import partitioning_grouped as pg  # noqa: PLC0415 - it imports this module
+            f = pg.grouped_quantize_cp(prim, params, ctx.avals_in, ctx.avals_out, devices)
+        elif kind == "grouped_dequantize":
+            from jax_fp4._src.primitives import partitioning_grouped as pg  # noqa: PLC0415
+            f = pg.grouped_dequantize_cp(prim, params, ctx.avals_in, devices)
         elif kind in ("swizzle", "unswizzle"):
             f = _swizzle_cp(prim, params, ctx.avals_in, ctx.avals_out)
         else:
