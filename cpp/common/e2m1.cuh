@@ -161,11 +161,16 @@ JF4_HD uint32_t Pack8(const float* v, float mult, const uint32_t (&rnd)[4], int 
   JF4_UNROLL
   for (int j = 0; j < 8; ++j) {
 #if defined(__CUDA_ARCH__)
-    c[j] = Clamp6(__fmul_rn(v[j], mult));
+    // One FMNMX instead of Clamp6's two: the magnitude is min(|y|, 6) (NaN -> 6) and the sign comes from y itself,
+    // which equals Clamp6's sign for every non-NaN y; a NaN product is the positive canonical NaN on the GPU, so NaN
+    // still encodes as +6 (code 0x7), as Clamp6 gives (tests/test_quantize_kernels.py special inputs).
+    c[j] = __fmul_rn(v[j], mult);
+    const float mag = fminf(fabsf(c[j]), 6.0f);
 #else
     c[j] = Clamp6(v[j] * mult);
+    const float mag = c[j];
 #endif
-    const uint32_t r = kSr ? MagnitudeSr(c[j], RandomByte(rnd, byte0 + j)) : MagnitudeRne(c[j]);
+    const uint32_t r = kSr ? MagnitudeSr(mag, RandomByte(rnd, byte0 + j)) : MagnitudeRne(mag);
     acc += r << (4 * j);
   }
   return (acc - MagicSum()) | Signs8(c);
