@@ -125,13 +125,11 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
 
 // Thread block (blockIdx.x, blockIdx.y, p) walks tiles_per_cta tiles down the rows, so that the per-thread setup, the
 // tensor encode scales and their multiplier tables are computed once per block.
-// NVFP4 kernels are capped at 64 registers (4 blocks an SM); the MXFP8 ones measured faster uncapped (56-72 registers;
-// capped, MXFP8 rowwise took 68.1 instead of 59.4 us at 8192^2 on an H200).
-template <int kRow, int kCol>
-constexpr int MinBlocks() { return kRow == kNvfp4 || kCol == kNvfp4 ? 4 : 1; }
-
+// No minimum-blocks bound: __launch_bounds__(256, 4) measured slower for MXFP8 (rowwise 68.3 instead of 59.4 us at
+// 8192^2 on an H200, row+col 97.0 instead of 92.1) and (256, 1) slower still (row+col 113.8 us): it changes the
+// schedule, not just the register count.
 template <typename In, int kRow, int kCol, bool kPlain>
-__global__ void __launch_bounds__(kThreads, MinBlocks<kRow, kCol>()) QuantizeKernel(const Args a) {
+__global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
   __shared__ float tab[2][128];
   const int64_t p = blockIdx.z, k0 = int64_t(blockIdx.x) * kTile;
   const int64_t m_tiles = (a.M + kTile - 1) / kTile;
