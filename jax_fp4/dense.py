@@ -7,6 +7,10 @@ MXFP8-column pass), the weight once (columnwise for fprop, rowwise for dgrad), a
 Backward: dy is quantized once for both GEMMs (rowwise for dgrad, columnwise for wgrad) with the bias gradient fused
 into the same pass; dx = dy @ w.T and dw = x.T @ dy.
 Randomness (stochastic rounding): `key` is split into (x, w, dy) keys with `jax.random.split(key, 3)`.
+Emulated GEMMs (CPU, Hopper: no native block-scaled GEMM): an operand consumed at once (not a residual) comes from
+the quantize pass as an `ExactOperand` (bfloat16 value(q) * block scale, written by the same kernel launch), so no
+dequantize pass runs for it: fprop's x and w, and both dy operands. The residuals stay quantized. The bits of every
+product are those of `scaled_dot_general` on the QuantizedArrays.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_fp4.gemm import scaled_dot_general
+from jax_fp4.formats import NVFP4
+from jax_fp4.gemm import ExactOperand, exact_dot_general, native_gemm_available, scaled_dot_general
 from jax_fp4.quantize import quantize_rowwise_columnwise
 from jax_fp4.recipes import Recipe
 
@@ -31,16 +36,25 @@ _DGRAD = (((1,), (1,)), ((), ()))  # dy[M, N] . w[K, N] over N
 _WGRAD = (((0,), (0,)), ((), ()))  # x[M, K] . dy[M, N] over M
 
 
-def _quantize_pair(a, row_fmt, col_fmt, key, dbias=False):
+def _exact_ok(fmt, wanted) -> bool:
+    """Whether an orientation is returned as an ExactOperand: wanted (consumed at once by an emulated GEMM) and a
+    format whose block scales factor out of the product (not 1x64, not unquantized)."""
+    return wanted and fmt is not None and not (isinstance(fmt, NVFP4) and fmt.local_1x64)
+
+
+def _quantize_pair(a, row_fmt, col_fmt, key, dbias=False, exact=(False, False)):
     """(rowwise, columnwise, dbias) of a 2-D a; an unquantized orientation is `a` itself."""
     if row_fmt is None and col_fmt is None:
         db = jnp.sum(a.astype(jnp.float32), axis=0) if dbias else None
         return a, a, db
-    row, col, db = quantize_rowwise_columnwise(a, row_fmt, col_fmt, key=key, dbias=dbias)
+    ex = (_exact_ok(row_fmt, exact[0]), _exact_ok(col_fmt, exact[1]))
+    row, col, db = quantize_rowwise_columnwise(a, row_fmt, col_fmt, key=key, dbias=dbias, exact=ex)
     return (a if row is None else row), (a if col is None else col), db
 
 
 def _gemm(a, b, dn):
+    if isinstance(a, ExactOperand) or isinstance(b, ExactOperand):
+        return exact_dot_general(a, b, dn, jnp.float32)
     if hasattr(a, "fmt"):
         return scaled_dot_general(a, b, dn, jnp.float32)
     return lax.dot_general(a, b, dn, preferred_element_type=jnp.float32)
@@ -64,8 +78,9 @@ def _dense(recipe, x2, w, bias, key):
 
 def _dense_fwd(recipe, x2, w, bias, key):
     kx, kw, kdy = _keys(key)
-    x_fprop, x_wgrad, _ = _quantize_pair(x2, recipe.fprop_x, recipe.wgrad_x, kx)
-    w_dgrad, w_fprop, _ = _quantize_pair(w, recipe.dgrad_w, recipe.fprop_w, kw)
+    emulated = not native_gemm_available()
+    x_fprop, x_wgrad, _ = _quantize_pair(x2, recipe.fprop_x, recipe.wgrad_x, kx, exact=(emulated, False))
+    w_dgrad, w_fprop, _ = _quantize_pair(w, recipe.dgrad_w, recipe.fprop_w, kw, exact=(False, emulated))
     y = _gemm(x_fprop, w_fprop, _FPROP)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
@@ -78,7 +93,9 @@ def _dense_fwd(recipe, x2, w, bias, key):
 def _dense_bwd(recipe, res, dy):
     x_wgrad, w_dgrad, kdy, xs, ws, bs = res
     has_bias = bs is not None
-    dy_dgrad, dy_wgrad, db = _quantize_pair(dy, recipe.dgrad_dy, recipe.wgrad_dy, kdy, dbias=has_bias)
+    emulated = not native_gemm_available()
+    dy_dgrad, dy_wgrad, db = _quantize_pair(dy, recipe.dgrad_dy, recipe.wgrad_dy, kdy, dbias=has_bias,
+                                            exact=(emulated, emulated))
     dx = _gemm(dy_dgrad, w_dgrad, _DGRAD).astype(xs.dtype)
     dw = _gemm(x_wgrad, dy_wgrad, _WGRAD).astype(ws.dtype)
     dbias = db.astype(bs.dtype) if has_bias else None

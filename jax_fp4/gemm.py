@@ -16,6 +16,8 @@ product of the transformed operands is the product of the originals and no inver
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -24,7 +26,7 @@ from jax_fp4.formats import MXFP8, NVFP4
 from jax_fp4.quantized_array import QuantizedArray
 from jax_fp4.reference.nvfp4 import INV_ENC_NUMERATOR
 
-__all__ = ["scaled_dot_general", "native_gemm_available", "IMPLEMENTATIONS"]
+__all__ = ["scaled_dot_general", "exact_dot_general", "ExactOperand", "native_gemm_available", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("auto", "emulated", "native")
 
@@ -65,6 +67,19 @@ def exact_operand(q: QuantizedArray):
         v = dequantize_3d(data, scale, None, None, block_scales_only=True, **params).reshape(q.shape)
         return v, q.amax.astype(jnp.float32) * INV_ENC_NUMERATOR
     return dequantize_array(q, jnp.bfloat16), None
+
+
+class ExactOperand(NamedTuple):
+    """A quantized tensor as the emulated GEMM consumes it: dequantize(q) == values * tensor_scale.
+
+    values: bfloat16 in the logical (x's) orientation, value(q) * block scale exactly (NVFP4 1D/2D/RHT with the RHT
+    left in place, MXFP8); tensor_scale: float32 scalar amax * fp32(1/2688) for NVFP4, None for MXFP8. Produced by
+    `exact_operand` from a QuantizedArray, or straight from the quantize pass
+    (`quantize_rowwise_columnwise(..., exact=...)`), which saves the dequantize pass of the emulated GEMM.
+    """
+
+    values: jax.Array
+    tensor_scale: jax.Array | None
 
 
 def _check(a, b, dimension_numbers):
@@ -143,14 +158,39 @@ def scaled_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, 
         ta = a.amax.astype(jnp.float32) * INV_ENC_NUMERATOR if isinstance(a.fmt, NVFP4) else None
         tb = b.amax.astype(jnp.float32) * INV_ENC_NUMERATOR if isinstance(b.fmt, NVFP4) else None
     else:
-        # The barrier keeps XLA from fusing the operands' producers (e.g. the reference quantize's integer chains on
-        # CPU) into the decode below; jax >= 0.11's algebraic simplifier otherwise loops for minutes on the mix.
-        a, b = lax.optimization_barrier((a, b))
-        va, ta = exact_operand(a)
-        vb, tb = exact_operand(b)
-        dt = jnp.float32 if jnp.float32 in (va.dtype, vb.dtype) else jnp.bfloat16
-        out = lax.dot_general(va.astype(dt), vb.astype(dt), dn, precision=lax.Precision.HIGHEST,
-                              preferred_element_type=jnp.float32)
+        return exact_dot_general(a, b, dn, preferred_element_type)
+    for t in (ta, tb):
+        if t is not None:
+            out = out * t
+    return out.astype(preferred_element_type)
+
+
+def exact_dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32):
+    """The emulated block-scaled product of two operands, each a QuantizedArray or an ExactOperand.
+
+    The exact values multiply as a `lax.dot_general` with float32 accumulation (products exact: bfloat16 operands,
+    or float32 for NVFP4 1x64), then the tensor scales multiply the float32 result (NUMERICS.md "GEMM emulation").
+    `scaled_dot_general` validates QuantizedArray pairs (block axes contracted, RHT in pairs) before it comes here;
+    ExactOperands carry no format, so that is the caller's contract (`jax_fp4.dense` pairs them by its recipe).
+
+    Raises:
+      ValueError: an operand that is neither a QuantizedArray nor an ExactOperand.
+    """
+    # The barrier keeps XLA from fusing the operands' producers (e.g. the reference quantize's integer chains on
+    # CPU) into the decode below; jax >= 0.11's algebraic simplifier otherwise loops for minutes on the mix.
+    ops = []
+    for name, q in (("lhs", a), ("rhs", b)):
+        if isinstance(q, QuantizedArray):
+            ops.append(exact_operand(lax.optimization_barrier(q)))
+        elif isinstance(q, ExactOperand):
+            ops.append(q)
+        else:
+            raise ValueError(f"exact_dot_general: {name} must be a QuantizedArray or an ExactOperand, got "
+                             f"{type(q).__name__}")
+    (va, ta), (vb, tb) = ops
+    dt = jnp.float32 if jnp.float32 in (va.dtype, vb.dtype) else jnp.bfloat16
+    out = lax.dot_general(va.astype(dt), vb.astype(dt), dimension_numbers, precision=lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32)
     for t in (ta, tb):
         if t is not None:
             out = out * t

@@ -22,8 +22,10 @@ from jax_fp4._src.primitives.rht_amax import rht_amax
 from jax_fp4._src.primitives.swizzle import swizzle as _swizzle
 from jax_fp4._src.primitives.swizzle import unswizzle as _unswizzle
 from jax_fp4.formats import NVFP4, Format
+from jax_fp4.gemm import ExactOperand
 from jax_fp4.quantized_array import SCALE_LAYOUTS, QuantizedArray
 from jax_fp4.reference import layout
+from jax_fp4.reference.nvfp4 import INV_ENC_NUMERATOR
 from jax_fp4.reference.sr import philox_key
 
 __all__ = ["quantize", "quantize_rowwise_columnwise", "dequantize", "swizzle_scales", "unswizzle_scales"]
@@ -109,7 +111,7 @@ def quantize(x, fmt: Format, *, axis: int = -1, key=None, scale_layout: str = "c
 
 
 def quantize_rowwise_columnwise(x, row_fmt: Format | None, col_fmt: Format | None, *, key=None,
-                                scale_layout: str = "compact", dbias: bool = False):
+                                scale_layout: str = "compact", dbias: bool = False, exact=(False, False)):
     """Rowwise and columnwise quantizations of x from one read (the GEMM operands of fprop and wgrad).
 
     x (rank >= 2) is viewed as the matrix x2 = x.reshape(M, K), M = prod(x.shape[:-1]).
@@ -123,14 +125,20 @@ def quantize_rowwise_columnwise(x, row_fmt: Format | None, col_fmt: Format | Non
         and `[1]`.
       scale_layout: "compact" or "swizzled" for both.
       dbias: also return float32[K], the column sums of x (the bias gradient when x is dY).
+      exact: (rowwise, columnwise) bools: return that orientation as a `jax_fp4.gemm.ExactOperand` (bfloat16
+        value(q) * block scale in x's / x2's shape, and the NVFP4 tensor scale) instead of a QuantizedArray: the
+        emulated GEMM's operand written by the quantize pass itself, bit for bit `exact_operand` of the
+        QuantizedArray it replaces, without a dequantize pass. NVFP4 1D/2D/RHT and MXFP8 only.
 
     Returns:
       (row, col, dbias): row == quantize(x, row_fmt, axis=-1, key=k0) and col == quantize(x2, col_fmt, axis=0,
-      key=k1) bit for bit (None where the format is None); dbias float32[K] or None. dbias is an fp32 sum: its
-      value depends on the summation order (the kernel sums 64-row stripes, then the stripes), not bit-exact.
+      key=k1) bit for bit (None where the format is None; ExactOperands where `exact` says); dbias float32[K] or
+      None. dbias is an fp32 sum: its value depends on the summation order (the kernel sums 64-row stripes, then the
+      stripes), not bit-exact.
 
     Raises:
-      ValueError as `quantize` for each orientation; both formats None; rank < 2.
+      ValueError as `quantize` for each orientation; both formats None; rank < 2; `exact` for a missing or 1x64
+      format.
     """
     fmt0 = row_fmt if row_fmt is not None else col_fmt
     if fmt0 is None:
@@ -151,24 +159,35 @@ def quantize_rowwise_columnwise(x, row_fmt: Format | None, col_fmt: Format | Non
     amax_r = _amax(x, x3, row_fmt, "row")
     amax_c = amax_r if (_same_amax(row_fmt, col_fmt)) else _amax(x, x3, col_fmt, "col")
     o = quantize_3d(x3, amax_r, amax_c, _key_words(row_fmt, keys[0]), _key_words(col_fmt, keys[1]),
-                    row_fmt=row_fmt, col_fmt=col_fmt, scale_layout=scale_layout, dbias=dbias)
+                    row_fmt=row_fmt, col_fmt=col_fmt, scale_layout=scale_layout, dbias=dbias, exact=exact)
     row = col = None
-    if row_fmt is not None:
+    db = jnp.sum(o["dbias"], axis=(0, 1)) if dbias else None
+    if exact[0]:
+        row = ExactOperand(o["row_data"].reshape(x.shape), _tensor_scale(row_fmt, amax_r))
+    elif row_fmt is not None:
         scale = o["row_scale"]
         if scale_layout == "compact":
             scale = scale.reshape(row_fmt.scale_shape(x.shape, -1))
         w = _wamax(row_fmt, o["row_wamax"], _window_shape(row_fmt, x.shape, -1))
         row = QuantizedArray(o["row_data"].reshape(row_fmt.data_shape(x.shape, -1)), scale,
                              _scalar_amax(row_fmt, amax_r), w, fmt=row_fmt, axis=-1, scale_layout=scale_layout)
-    if col_fmt is not None:
+    if exact[1]:
+        v = o["col_data"][0]
+        col = ExactOperand(v.T if isinstance(col_fmt, NVFP4) else v, _tensor_scale(col_fmt, amax_c))
+    elif col_fmt is not None:
         scale = o["col_scale"]
         if scale_layout == "compact":
             scale = scale.reshape(col_fmt.scale_shape((M, K), -2))
         w = _wamax(col_fmt, o["col_wamax"], _window_shape(col_fmt, (M, K), -2))
         col = QuantizedArray(o["col_data"].reshape(col_fmt.data_shape((M, K), -2)), scale,
                              _scalar_amax(col_fmt, amax_c), w, fmt=col_fmt, axis=-2, scale_layout=scale_layout)
-    db = jnp.sum(o["dbias"], axis=(0, 1)) if dbias else None
     return row, col, db
+
+
+def _tensor_scale(fmt, amax):
+    """float32 amax * fp32(1/2688) of an NVFP4 orientation (scaled_dot_general's tensor scale), None for MXFP8."""
+    a = _scalar_amax(fmt, amax)
+    return None if a is None else a.astype(jnp.float32) * INV_ENC_NUMERATOR
 
 
 def _window_shape(fmt, shape, axis):

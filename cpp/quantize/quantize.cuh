@@ -18,6 +18,9 @@
 //
 // Formats are compile-time "kinds" (one template for every pairing, including NVFP4 rowwise + MXFP8 columnwise);
 // NVFP4 options (SR, RHT, 2D, 1x64) are uniform runtime flags.
+// Exact operands (Args::row_exact / col_exact: bf16 value(q) * block scale instead of codes, the emulated GEMM's
+// operand, which saves the dequantize pass) run in kExact instantiations; every other kernel compiles to the same
+// SASS as without them (checked with cuobjdump).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -32,7 +35,7 @@ namespace quantize {
 // One 64x64 tile (rows m0.., columns k0.. of x[p]; mt = m0 / 64). enc_row / enc_col: the NVFP4 tensor encode scales
 // (unused for 1x64 and MXFP8); tab_row / tab_col: their MultiplierTable in shared memory, or null. Every barrier
 // inside is reached by all threads of the block.
-template <typename In, int kRow, int kCol, bool kPlain>
+template <typename In, int kRow, int kCol, bool kPlain, bool kExact = false>
 __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t mt, int64_t k0, float enc_row,
                                              float enc_col, const float* tab_row = nullptr,
                                              const float* tab_col = nullptr) {
@@ -41,7 +44,9 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
   __shared__ float4 tile[kNeedTile ? kTile : 1][kTile / 4];  // chunk q of row r at TileChunk(r, q)
   __shared__ TileShared sh;
   __shared__ __align__(16) float col_mult[kMxCol && kRow != kNone ? 2 : 1][80];
+  __shared__ __align__(16) float col_scale_value[kExact && kMxCol && kRow != kNone ? 2 : 1][80];  // E8M0 values
 
+  const bool row_exact = kExact && a.row_exact, col_exact = kExact && a.col_exact;  // compiled out unless kExact
   const int t = threadIdx.x;
   const int64_t m0 = mt * kTile;
   const int64_t M = a.M, K = a.K;
@@ -63,9 +68,9 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
 
   // ---- rowwise (v is already staged in shared memory for the columnwise pass) ----
   if constexpr (kRow == kNvfp4) {
-    RowNvfp4(a, kPlain ? 0 : a.row_opts, v, sh, lr, cg, row_in, p, m, k, enc_row, tab_row);
+    RowNvfp4(a, kPlain ? 0 : a.row_opts, v, sh, lr, cg, row_in, p, m, k, enc_row, tab_row, row_exact);
   } else if constexpr (kRow != kNone) {
-    RowMxfp8<kRow>(a, v, cg, row_in, p, m, k);
+    RowMxfp8<kRow>(a, v, cg, row_in, p, m, k, row_exact);
   }
 
   if constexpr (kNeedTile) {
@@ -85,21 +90,35 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
     __syncthreads();
     ColDbias(a, sh, lc, rb, p, mt, kc);
     if constexpr (kCol == kNvfp4) {
-      ColNvfp4(a, opts, c, sh, lc, rb, col_in, p, kc, mc, enc_col, tab_col);
+      ColNvfp4(a, opts, c, sh, lc, rb, col_in, p, kc, mc, enc_col, tab_col, col_exact);
     } else if constexpr (kRow == kNone) {  // columnwise only: the column threads store their bytes (one barrier less)
       const uint32_t e = ColMxfp8Scale<kCol>(a, sh, lc, rb, col_in, p, kc, mc);
       if (col_in) {
         uint32_t out[4];
         EncodeMxfp8<kCol>(c, e, out);
-        uint8_t* dst = a.col_data + (p * M + mc) * K + kc;
+        const int64_t flat = (p * M + mc) * K + kc;
+        if (col_exact) {
+          const float s = dequantize::E8M0Value(e);
+          const float scale[16] = {s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+          uint32_t o[8];
+          ExactMxfp8<kCol>(out, scale, o);
+          uint16_t* dst = reinterpret_cast<uint16_t*>(a.col_data) + flat;
 #pragma unroll
-        for (int i = 0; i < 16; ++i) dst[int64_t(i) * K] = uint8_t(out[i / 4] >> (8 * (i & 3)));
+          for (int i = 0; i < 16; ++i) dst[int64_t(i) * K] = uint16_t(o[i >> 1] >> (16 * (i & 1)));
+        } else {
+          uint8_t* dst = a.col_data + flat;
+#pragma unroll
+          for (int i = 0; i < 16; ++i) dst[int64_t(i) * K] = uint8_t(out[i / 4] >> (8 * (i & 3)));
+        }
       }
     } else {
       // MXFP8 columnwise data keeps x's [P, M, K] layout: the column threads publish each column's multiplier, and
       // the row threads encode their row segment (read back from the tile) with 16-byte stores.
       const uint32_t e = ColMxfp8Scale<kCol>(a, sh, lc, rb, col_in, p, kc, mc);
-      if ((rb & 1) == 0) col_mult[rb >> 1][MultIndex(lc)] = cvt::E8M0InverseScale(e);
+      if ((rb & 1) == 0) {
+        col_mult[rb >> 1][MultIndex(lc)] = cvt::E8M0InverseScale(e);
+        if (col_exact) col_scale_value[rb >> 1][MultIndex(lc)] = dequantize::E8M0Value(e);
+      }
       __syncthreads();
       if (row_in) {
         const float4* mult = reinterpret_cast<const float4*>(&col_mult[lr >> 5][MultIndex(cg * 16)]);
@@ -112,11 +131,24 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
           out[h] = kCol == kMxfp8E4m3 ? (cvt::E4M3x2(y0, y1) | (cvt::E4M3x2(y2, y3) << 16))
                                       : (cvt::E5M2x2(y0, y1) | (cvt::E5M2x2(y2, y3) << 16));
         }
-        uint8_t* dst = a.col_data + (p * M + m) * K + k;
-        if (K % 16 == 0) {
-          *reinterpret_cast<uint4*>(dst) = make_uint4(out[0], out[1], out[2], out[3]);
-        } else {  // rows not 16-byte aligned: byte stores of the valid elements
-          for (int i = 0; i < valid; ++i) dst[i] = uint8_t(out[i >> 2] >> (8 * (i & 3)));
+        if (col_exact) {
+          const float4* sv = reinterpret_cast<const float4*>(&col_scale_value[lr >> 5][MultIndex(cg * 16)]);
+          float scale[16];
+#pragma unroll
+          for (int h = 0; h < 4; ++h) {
+            const float4 s4 = sv[h];
+            scale[4 * h] = s4.x, scale[4 * h + 1] = s4.y, scale[4 * h + 2] = s4.z, scale[4 * h + 3] = s4.w;
+          }
+          uint32_t o[8];
+          ExactMxfp8<kCol>(out, scale, o);
+          StoreBf16x16(a.col_data + 2 * ((p * M + m) * K + k), o, valid, K % 16 == 0);
+        } else {
+          uint8_t* dst = a.col_data + (p * M + m) * K + k;
+          if (K % 16 == 0) {
+            *reinterpret_cast<uint4*>(dst) = make_uint4(out[0], out[1], out[2], out[3]);
+          } else {  // rows not 16-byte aligned: byte stores of the valid elements
+            for (int i = 0; i < valid; ++i) dst[i] = uint8_t(out[i >> 2] >> (8 * (i & 3)));
+          }
         }
       }
     }
@@ -128,7 +160,7 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
 // No minimum-blocks bound: __launch_bounds__(256, 4) measured slower for MXFP8 (rowwise 68.3 instead of 59.4 us at
 // 8192^2 on an H200, row+col 97.0 instead of 92.1) and (256, 1) slower still (row+col 113.8 us): it changes the
 // schedule, not just the register count.
-template <typename In, int kRow, int kCol, bool kPlain>
+template <typename In, int kRow, int kCol, bool kPlain, bool kExact>
 __global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
   __shared__ float tab[2][128];
   const int64_t p = blockIdx.z, k0 = int64_t(blockIdx.x) * kTile;
@@ -145,7 +177,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
   const int64_t mt0 = int64_t(blockIdx.y) * a.tiles_per_cta;
   const int64_t mt1 = mt0 + a.tiles_per_cta < m_tiles ? mt0 + a.tiles_per_cta : m_tiles;
   for (int64_t mt = mt0; mt < mt1; ++mt) {  // uniform trip count: the barriers below are reached by all threads
-    QuantizeTile<In, kRow, kCol, kPlain>(a, p, mt, k0, enc_row, enc_col, row_tab ? tab[0] : nullptr,
+    QuantizeTile<In, kRow, kCol, kPlain, kExact>(a, p, mt, k0, enc_row, enc_col, row_tab ? tab[0] : nullptr,
                                          col_tab ? tab[1] : nullptr);
     __syncthreads();  // shared memory is reused by the next tile
   }
@@ -162,10 +194,12 @@ cudaError_t Launch(Args args, cudaStream_t stream) {
   args.tiles_per_cta = !nvfp4 ? 1 : (tiles >= 2048 ? 4 : (tiles >= 256 ? 2 : 1));
   const dim3 grid(unsigned(k_tiles), unsigned((m_tiles + args.tiles_per_cta - 1) / args.tiles_per_cta),
                   unsigned(args.P));
-  if (nvfp4 && args.row_opts == 0 && args.col_opts == 0) {
-    QuantizeKernel<In, kRow, kCol, true><<<grid, kThreads, 0, stream>>>(args);
+  if (args.row_exact || args.col_exact) {  // a separate instantiation: the exact stores cost the others nothing
+    QuantizeKernel<In, kRow, kCol, false, true><<<grid, kThreads, 0, stream>>>(args);
+  } else if (nvfp4 && args.row_opts == 0 && args.col_opts == 0) {
+    QuantizeKernel<In, kRow, kCol, true, false><<<grid, kThreads, 0, stream>>>(args);
   } else {
-    QuantizeKernel<In, kRow, kCol, false><<<grid, kThreads, 0, stream>>>(args);
+    QuantizeKernel<In, kRow, kCol, false, false><<<grid, kThreads, 0, stream>>>(args);
   }
   return cudaGetLastError();
 }

@@ -7,7 +7,8 @@
 // (quantize::Args::stream_row; built on the device by the sharding rule, so no host sync and no new attribute).
 // Results (7, placeholders of 0 elements where unused): row_data, row_scale, row_wamax, col_data, col_scale,
 // col_wamax, dbias. Attributes: row_kind, col_kind (quantize::Kind), flags (row options | col options << 8 |
-// swizzled << 16 | dbias << 17). Shapes are those of jax_fp4/_src/primitives/quantize.py; every one is checked
+// swizzled << 16 | dbias << 17 | row exact << 18 | col exact << 19; an exact orientation's data result is bf16, see
+// quantize::Args::row_exact). Shapes are those of jax_fp4/_src/primitives/quantize.py; every one is checked
 // here, so a mismatched call is an InvalidArgument error, never an out-of-bounds write.
 // Command-buffer compatible: one optional cudaMemsetAsync (swizzled padding) and one kernel launch.
 #include <cuda_bf16.h>
@@ -60,11 +61,14 @@ ffi::Error CheckBuffer(const ffi::AnyBuffer& b, ffi::DataType dtype, int64_t cou
 }
 
 // Validates one orientation's three results and fills its pointers. `col` selects the columnwise geometry.
-ffi::Error SetupOrientation(int kind, int opts, bool col, bool swizzled, int64_t P, int64_t M, int64_t K,
+ffi::Error SetupOrientation(int kind, int opts, bool col, bool exact, bool swizzled, int64_t P, int64_t M, int64_t K,
                             ffi::AnyBuffer data, ffi::AnyBuffer scale, ffi::AnyBuffer wamax, uint8_t** data_ptr,
                             uint8_t** scale_ptr, float** wamax_ptr, int64_t* cols_padded, bool* needs_zeroing) {
   const std::string side = col ? "columnwise" : "rowwise";
-  if (kind == quantize::kNone) return ffi::Error::Success();
+  if (kind == quantize::kNone) {
+    JF4_CHECK(!exact, side + ": exact operand requested without a format");
+    return ffi::Error::Success();
+  }
   JF4_CHECK(kind == quantize::kNvfp4 || kind == quantize::kMxfp8E4m3 || kind == quantize::kMxfp8E5m2,
             side + ": unknown format kind " + std::to_string(kind));
   const int64_t bs = BlockSize(kind);
@@ -77,7 +81,8 @@ ffi::Error SetupOrientation(int kind, int opts, bool col, bool swizzled, int64_t
   if (nvfp4 && (opts & quantize::k2d)) {
     JF4_CHECK((col ? K : M) % 16 == 0, side + ": 2D scaling needs 16x16 tiles inside each x[p], x " + Shape(P, M, K));
   }
-  JF4_RETURN_IF_ERROR(CheckBuffer(data, DataType(kind), P * M * K, side + " data"));
+  JF4_CHECK(!(exact && local), side + ": no exact operand for 1x64 (its window scales do not factor out)");
+  JF4_RETURN_IF_ERROR(CheckBuffer(data, exact ? ffi::DataType::BF16 : DataType(kind), P * M * K, side + " data"));
   const int64_t rows = P * (col ? K : M);  // scale-matrix rows (MXFP8 columnwise viewed transposed)
   const int64_t cols = blocked / bs;
   int64_t scale_count = rows * cols;
@@ -156,13 +161,14 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   a.stream_col = ElementCount(key_col) == kShardKeyWords ? a.key_col + 2 : nullptr;
   a.row_opts = flags & 0xFF, a.col_opts = (flags >> 8) & 0xFF;
   a.swizzled = swizzled;
+  a.row_exact = flags & (1 << 18), a.col_exact = flags & (1 << 19);
   bool zero_row = false, zero_col = false;
-  JF4_RETURN_IF_ERROR(SetupOrientation(row_kind, a.row_opts, false, swizzled, P, M, K, *row_data, *row_scale,
-                                       *row_wamax, &a.row_data, &a.row_scale, &a.row_wamax, &a.row_scale_cols_padded,
-                                       &zero_row));
-  JF4_RETURN_IF_ERROR(SetupOrientation(col_kind, a.col_opts, true, swizzled, P, M, K, *col_data, *col_scale,
-                                       *col_wamax, &a.col_data, &a.col_scale, &a.col_wamax, &a.col_scale_cols_padded,
-                                       &zero_col));
+  JF4_RETURN_IF_ERROR(SetupOrientation(row_kind, a.row_opts, false, a.row_exact, swizzled, P, M, K, *row_data,
+                                       *row_scale, *row_wamax, &a.row_data, &a.row_scale, &a.row_wamax,
+                                       &a.row_scale_cols_padded, &zero_row));
+  JF4_RETURN_IF_ERROR(SetupOrientation(col_kind, a.col_opts, true, a.col_exact, swizzled, P, M, K, *col_data,
+                                       *col_scale, *col_wamax, &a.col_data, &a.col_scale, &a.col_wamax,
+                                       &a.col_scale_cols_padded, &zero_col));
   JF4_RETURN_IF_ERROR(CheckBuffer(*dbias, ffi::DataType::F32, with_dbias ? P * ((M + 63) / 64) * K : 0, "dbias"));
   a.dbias = with_dbias ? static_cast<float*>(dbias->untyped_data()) : nullptr;
 

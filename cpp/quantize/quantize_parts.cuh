@@ -11,6 +11,7 @@
 
 #include "common/convert.cuh"
 #include "common/e2m1.cuh"
+#include "dequantize/decode.cuh"
 
 namespace jax_fp4 {
 namespace quantize {
@@ -50,6 +51,12 @@ struct Args {
   // 16-block starts at i % 16 == 0 and is one whole Philox output.
   const uint32_t* stream_row = nullptr;
   const uint32_t* stream_col = nullptr;
+  // Exact GEMM-emulation operand instead of codes (NVFP4 except 1x64, MXFP8): that orientation's data buffer holds
+  // bfloat16 value(q) * block scale (the tensor scale left out) in the stored layout, bit for bit the dequantize
+  // kernel's block-scales-only / MXFP8-to-bf16 output of the codes this call would have written. Read only by the
+  // kExact kernels (Launch picks them), so the code-writing kernels carry none of it.
+  bool row_exact = false;
+  bool col_exact = false;
 };
 
 // Input element -> fp32 (exact widening).
@@ -102,9 +109,53 @@ __device__ __forceinline__ float Max16(const float (&v)[16]) {
   return m;
 }
 
+// ---- exact operands (Args::row_exact / col_exact): the same decode and rounding as dequantize/decode.cuh ----------
+__device__ __forceinline__ uint32_t Bf16Pair(float lo, float hi) {
+  return dequantize::OutBits<__nv_bfloat16>(lo) | (dequantize::OutBits<__nv_bfloat16>(hi) << 16);
+}
+
+// 16 bfloat16 (8 words) to dst: two 16-byte stores when `vector` (dst 16-byte aligned) and the run is whole, else
+// the first `valid` elements one by one.
+__device__ __forceinline__ void StoreBf16x16(uint8_t* dst, const uint32_t (&o)[8], int valid, bool vector) {
+  if (vector && valid == 16) {
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    d[0] = make_uint4(o[0], o[1], o[2], o[3]);
+    d[1] = make_uint4(o[4], o[5], o[6], o[7]);
+    return;
+  }
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+  for (int i = 0; i < valid; ++i) d[i] = uint16_t(o[i >> 1] >> (16 * (i & 1)));
+}
+
+// value(q) * s_b of one NVFP4 block (packed codes w, E4M3 scale code sc) as 16 bfloat16 at dst (32-byte aligned).
+__device__ __forceinline__ void StoreExactNvfp4(uint2 w, uint32_t sc, uint8_t* dst) {
+  const float s_b = cvt::E4M3Value(sc);
+  float q[2][8];
+  dequantize::E2M1xN<8>(w.x, q[0]);
+  dequantize::E2M1xN<8>(w.y, q[1]);
+  uint32_t o[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    o[i] = Bf16Pair(__fmul_rn(q[i >> 2][(2 * i) & 7], s_b), __fmul_rn(q[i >> 2][(2 * i + 1) & 7], s_b));
+  }
+  StoreBf16x16(dst, o, 16, true);
+}
+
+// float(q) * scale of 16 MXFP8 codes (4 per word of `out`); scale[i] is element i's E8M0 value.
+template <int kKind>
+__device__ __forceinline__ void ExactMxfp8(const uint32_t (&out)[4], const float (&scale)[16], uint32_t (&o)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t w = out[i >> 1] >> (16 * (i & 1));
+    o[i] = Bf16Pair(__fmul_rn(dequantize::Fp8Value<kKind>(w & 0xFFu), scale[2 * i]),
+                    __fmul_rn(dequantize::Fp8Value<kKind>((w >> 8) & 0xFFu), scale[2 * i + 1]));
+  }
+}
+
 // NVFP4 encode of one 1x16 block with its (block / 2D-tile) amax. `enc` is S_enc (1D/2D) or S_enc,w (1x64).
-// Writes 8 packed bytes to dst (8-byte aligned) and returns the E4M3 scale code. kSr: stochastic rounding with the
-// 16 random bytes `rnd` (one Philox output).
+// Writes 8 packed bytes to dst (8-byte aligned), or with `exact` the 16 bfloat16 of StoreExactNvfp4 (32-byte
+// aligned), and returns the E4M3 scale code. kSr: stochastic rounding with the 16 random bytes `rnd` (one Philox
+// output).
 // The element multiplier of a block with E4M3 scale code sc under tensor encode scale enc (1D / 2D):
 // min(1 / (s_b * (1 / enc)), FLT_MAX), s_b the value of sc. MultiplierTable precomputes it for all 127 codes a
 // quantizer can produce (satfinite: 0..0x7E), which replaces two correctly rounded reciprocals per block with a
@@ -122,7 +173,8 @@ __device__ __forceinline__ void MultiplierTable(float* tab, float enc, int t0) {
 // `tab`: MultiplierTable of enc, or null (computed here). Unused for 1x64 (local) encodes.
 template <bool kSr>
 __device__ __forceinline__ uint32_t EncodeNvfp4(const float (&v)[16], float bamax, float enc, bool local,
-                                                 const float* tab, const uint32_t (&rnd)[4], uint8_t* dst) {
+                                                 const float* tab, const uint32_t (&rnd)[4], uint8_t* dst,
+                                                 bool exact) {
   const uint32_t sc = cvt::E4M3(__fmul_rn(bamax, __fmul_rn(enc, cvt::kInv6())));
   float mult;
   if (local) {
@@ -133,7 +185,12 @@ __device__ __forceinline__ uint32_t EncodeNvfp4(const float (&v)[16], float bama
   } else {
     mult = Nvfp4Multiplier(sc, enc);
   }
-  *reinterpret_cast<uint2*>(dst) = make_uint2(e2m1::Pack8<kSr>(v, mult, rnd, 0), e2m1::Pack8<kSr>(v + 8, mult, rnd, 8));
+  const uint2 w = make_uint2(e2m1::Pack8<kSr>(v, mult, rnd, 0), e2m1::Pack8<kSr>(v + 8, mult, rnd, 8));
+  if (exact) {
+    StoreExactNvfp4(w, sc, dst);
+  } else {
+    *reinterpret_cast<uint2*>(dst) = w;
+  }
   return sc;
 }
 
@@ -149,14 +206,14 @@ __device__ __forceinline__ int64_t StreamIndex(const uint32_t* g, int64_t flat, 
 // of 16; the 16 values take bytes 0..15 of that one Philox output.
 __device__ __forceinline__ uint32_t EncodeNvfp4(const float (&v)[16], float bamax, float enc, bool local, bool sr,
                                                  int64_t flat, const uint32_t* key, uint8_t* dst,
-                                                 const float* tab = nullptr) {
+                                                 const float* tab = nullptr, bool exact = false) {
   if (sr) {
     const uint4 r = cvt::Philox(uint32_t(flat >> 4), key[0], key[1]);
     const uint32_t rnd[4] = {r.x, r.y, r.z, r.w};
-    return EncodeNvfp4<true>(v, bamax, enc, local, tab, rnd, dst);
+    return EncodeNvfp4<true>(v, bamax, enc, local, tab, rnd, dst, exact);
   }
   const uint32_t rnd[4] = {0u, 0u, 0u, 0u};
-  return EncodeNvfp4<false>(v, bamax, enc, local, tab, rnd, dst);
+  return EncodeNvfp4<false>(v, bamax, enc, local, tab, rnd, dst, exact);
 }
 
 // MXFP8 encode of 16 values of a 32-block with E8M0 code e; writes 16 bytes through `store(i, byte)`.
@@ -201,7 +258,7 @@ struct TileShared {
 // its barrier is reached by every thread), encode, store data, scale and (1x64) window amax. v is RHT'd in place.
 __device__ __forceinline__ void RowNvfp4(const Args& a, int opts, float (&v)[16], TileShared& sh, int lr, int cg,
                                          bool row_in, int64_t p, int64_t m, int64_t k, float enc_row,
-                                         const float* tab_row) {
+                                         const float* tab_row, bool exact) {
   const int64_t M = a.M, K = a.K;
   if (opts & kRht) cvt::RhtForward16(v);
   float bamax = Max16(v);
@@ -222,7 +279,8 @@ __device__ __forceinline__ void RowNvfp4(const Args& a, int opts, float (&v)[16]
     const int64_t flat = (p * M + m) * K + k;  // element index in the stored [P, M, K]
     const bool sr = opts & kSr;
     const int64_t sflat = sr ? StreamIndex(a.stream_row, flat, p, m, k) : flat;
-    const uint32_t sc = EncodeNvfp4(v, bamax, enc, local, sr, sflat, a.key_row, a.row_data + flat / 2, tab_row);
+    uint8_t* dst = exact ? a.row_data + 2 * flat : a.row_data + flat / 2;
+    const uint32_t sc = EncodeNvfp4(v, bamax, enc, local, sr, sflat, a.key_row, dst, tab_row, exact);
     const int64_t si = p * M + m, sj = k >> 4;
     a.row_scale[a.swizzled ? SwizzledIndex(si, sj, a.row_scale_cols_padded) : si * (K >> 4) + sj] = uint8_t(sc);
     if (local && cg == 0) a.row_wamax[si * (K >> 6) + (k >> 6)] = wamax;
@@ -232,7 +290,7 @@ __device__ __forceinline__ void RowNvfp4(const Args& a, int opts, float (&v)[16]
 // MXFP8 rowwise: the 32-block is the segments of lanes cg and cg ^ 1.
 template <int kKind>
 __device__ __forceinline__ void RowMxfp8(const Args& a, const float (&v)[16], int cg, bool row_in, int64_t p,
-                                         int64_t m, int64_t k) {
+                                         int64_t m, int64_t k, bool exact) {
   const int64_t M = a.M, K = a.K;
   float bamax = Max16(v);
   bamax = fmaxf(bamax, __shfl_xor_sync(0xffffffffu, bamax, 1));
@@ -241,7 +299,15 @@ __device__ __forceinline__ void RowMxfp8(const Args& a, const float (&v)[16], in
     uint32_t out[4];
     EncodeMxfp8<kKind>(v, e, out);
     const int64_t flat = (p * M + m) * K + k;
-    *reinterpret_cast<uint4*>(a.row_data + flat) = make_uint4(out[0], out[1], out[2], out[3]);
+    if (exact) {
+      const float s = dequantize::E8M0Value(e);
+      const float scale[16] = {s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+      uint32_t o[8];
+      ExactMxfp8<kKind>(out, scale, o);
+      StoreBf16x16(a.row_data + 2 * flat, o, 16, true);
+    } else {
+      *reinterpret_cast<uint4*>(a.row_data + flat) = make_uint4(out[0], out[1], out[2], out[3]);
+    }
     if ((cg & 1) == 0) {
       const int64_t si = p * M + m, sj = k >> 5;
       a.row_scale[a.swizzled ? SwizzledIndex(si, sj, a.row_scale_cols_padded) : si * (K >> 5) + sj] = uint8_t(e);
@@ -288,7 +354,7 @@ __device__ __forceinline__ void ColDbias(const Args& a, const TileShared& sh, in
 // segments), data (x[p].T layout) and scale stores.
 __device__ __forceinline__ void ColNvfp4(const Args& a, int opts, const float (&c)[16], const TileShared& sh, int lc,
                                          int rb, bool col_in, int64_t p, int64_t kc, int64_t mc, float enc_col,
-                                         const float* tab_col) {
+                                         const float* tab_col, bool exact) {
   const int64_t M = a.M, K = a.K;
   float bamax = sh.col_red[rb][lc];
   if (opts & k2d) {  // 16x16 tile: segment rb of the 16 columns of lc's group
@@ -308,7 +374,8 @@ __device__ __forceinline__ void ColNvfp4(const Args& a, int opts, const float (&
   const int64_t flat = (p * K + kc) * M + mc;  // element index in the stored [P, K, M]
   const bool sr = opts & kSr;
   const int64_t sflat = sr ? StreamIndex(a.stream_col, flat, p, kc, mc) : flat;
-  const uint32_t sc = EncodeNvfp4(c, bamax, enc, local, sr, sflat, a.key_col, a.col_data + flat / 2, tab_col);
+  uint8_t* dst = exact ? a.col_data + 2 * flat : a.col_data + flat / 2;
+  const uint32_t sc = EncodeNvfp4(c, bamax, enc, local, sr, sflat, a.key_col, dst, tab_col, exact);
   const int64_t si = p * K + kc, sj = mc >> 4;
   a.col_scale[a.swizzled ? SwizzledIndex(si, sj, a.col_scale_cols_padded) : si * (M >> 4) + sj] = uint8_t(sc);
   if (local && rb == 0) a.col_wamax[si * (M >> 6) + (mc >> 6)] = wamax;

@@ -39,6 +39,7 @@ struct Variant {
   const char* name;
   int row, col, row_opts, col_opts;
   bool swizzled, dbias;
+  bool row_exact = false, col_exact = false;  // bf16 GEMM-emulation operands instead of codes (Args::row_exact)
 };
 
 const Variant kVariants[] = {
@@ -59,6 +60,12 @@ const Variant kVariants[] = {
     {"nvfp4 row+col swizzled", kNvfp4, kNvfp4, 0, 0, true, false},
     {"mxfp8 row+col swizzled", kMxfp8E4m3, kMxfp8E4m3, 0, 0, true, false},
     {"mixed swizzled", kNvfp4, kMxfp8E4m3, 0, 0, true, false},
+    // The dense layer's fused passes on an emulated GEMM: x (exact NVFP4 / MXFP8 rowwise for fprop, MXFP8 columnwise
+    // codes for wgrad) and dy (both MXFP8 orientations exact, dbias).
+    {"exact mixed: nvfp4 row exact", kNvfp4, kMxfp8E4m3, 0, 0, false, false, true, false},
+    {"exact mxfp8 row exact + col", kMxfp8E4m3, kMxfp8E4m3, 0, 0, false, false, true, false},
+    {"exact mxfp8 both exact dbias", kMxfp8E4m3, kMxfp8E4m3, 0, 0, false, true, true, true},
+    {"exact nvfp4 SR row+RHT col", kNvfp4, kNvfp4, kSr, kSr | kRht, false, false, true, true},
 };
 
 struct Shape {
@@ -85,11 +92,11 @@ bool Applies(const Variant& v, const Shape& s) {
   return true;
 }
 
-Out Alloc(int kind, int opts, bool col, bool swizzled, const Shape& s) {
+Out Alloc(int kind, int opts, bool col, bool swizzled, bool exact, const Shape& s) {
   Out o;
   if (kind == kNone) return o;
   const int64_t n = s.P * s.M * s.K;
-  o.data_bytes = kind == kNvfp4 ? n / 2 : n;
+  o.data_bytes = exact ? 2 * n : (kind == kNvfp4 ? n / 2 : n);
   const int64_t rows = s.P * (col ? s.K : s.M), blocked = col ? s.M : s.K, cols = blocked / Block(kind);
   o.scale_bytes = rows * cols;
   if (swizzled) {
@@ -140,8 +147,8 @@ struct Run {
 
 Run Setup(const Variant& v, const Shape& s, const void* x, const float* amax, const uint32_t* key) {
   Run r;
-  r.row = Alloc(v.row, v.row_opts, false, v.swizzled, s);
-  r.col = Alloc(v.col, v.col_opts, true, v.swizzled, s);
+  r.row = Alloc(v.row, v.row_opts, false, v.swizzled, v.row_exact, s);
+  r.col = Alloc(v.col, v.col_opts, true, v.swizzled, v.col_exact, s);
   if (v.dbias) {
     r.dbias_bytes = s.P * ((s.M + 63) / 64) * s.K * 4;
     CK(cudaMalloc(reinterpret_cast<void**>(&r.dbias), r.dbias_bytes));
@@ -156,6 +163,7 @@ Run Setup(const Variant& v, const Shape& s, const void* x, const float* amax, co
   a.dbias = r.dbias;
   a.row_opts = v.row_opts, a.col_opts = v.col_opts;
   a.swizzled = v.swizzled;
+  a.row_exact = v.row_exact, a.col_exact = v.col_exact;
   a.vector_loads = (s.K * 2) % 16 == 0;
   a.row_scale_cols_padded = r.row.cols_padded, a.col_scale_cols_padded = r.col.cols_padded;
   return r;

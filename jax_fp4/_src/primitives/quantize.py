@@ -11,7 +11,7 @@ Operands:
     dims, in stored order: (p, m, k) rowwise, (p, k, m) columnwise), so that i is the global index and a sharded
     SR quantize equals the unsharded one bit for bit (the sharding rule builds them; see `partitioning.py`).
 Static parameters: row_fmt, col_fmt (a Format or None; at least one), scale_layout ("compact"/"swizzled"),
-  dbias (bool).
+  dbias (bool), exact ((bool, bool), rowwise and columnwise; default neither).
 Results (always seven; an absent output is a placeholder uint8/float32[0]):
   row_data   NVFP4 float4_e2m1fn[P, M, K] (packed, even index low nibble) | MXFP8 float8[P, M, K]
   row_scale  compact NVFP4 float8_e4m3fn[P, M, K/16] | MXFP8 float8_e8m0fnu[P, M, K/32];
@@ -22,6 +22,11 @@ Results (always seven; an absent output is a placeholder uint8/float32[0]):
              swizzled: the padded GEMM layout of the [P*K, M/bs] scale matrix
   col_wamax  float32[P, K, M/64] for NVFP4 1x64
   dbias      float32[P, ceil(M/64), K]: column sums of x over each 64-row stripe (summed by the caller)
+An exact orientation (exact[0] rowwise, exact[1] columnwise; NVFP4 other than 1x64, or MXFP8) returns, in place of
+its codes, its GEMM-emulation operand: bfloat16 value(q) * block scale with the data's shape and layout (NVFP4: the
+tensor scale amax / 2688 left out, an RHT left in place), bit for bit `jf4_dequantize` of the codes it replaces
+(NVFP4 block-scales-only mode, MXFP8 to bfloat16). Its scales and window amax are returned as usual. This fuses the
+dequantize of the emulated GEMM into the quantize pass (`jax_fp4.dense`).
 
 Lowerings: CUDA FFI target `jf4_quantize` (cpp/quantize/) when the extension is built; the bit-exact reference
 (`jax_fp4.reference`) otherwise, and for the one layout the kernel does not tile (2D columnwise with P > 1 and
@@ -43,6 +48,7 @@ from jax.interpreters import batching, mlir
 from jax_fp4._src import ffi as _ffi
 from jax_fp4._src.primitives import partitioning
 from jax_fp4._src.primitives._common import def_impl
+from jax_fp4._src.primitives.dequantize import reference_dequantize
 from jax_fp4.formats import MXFP8, NVFP4, Format, round_up
 from jax_fp4.quantized_array import SCALE_LAYOUTS
 from jax_fp4.reference import codes, layout, mxfp8, nvfp4
@@ -57,7 +63,7 @@ OUTPUT_NAMES = ("row_data", "row_scale", "row_wamax", "col_data", "col_scale", "
 KIND_NONE, KIND_NVFP4, KIND_MXFP8_E4M3, KIND_MXFP8_E5M2 = 0, 1, 2, 3
 OPT_SR, OPT_RHT, OPT_2D, OPT_1X64 = 1, 2, 4, 8
 COL_SHIFT = 8
-FLAG_SWIZZLED, FLAG_DBIAS = 1 << 16, 1 << 17
+FLAG_SWIZZLED, FLAG_DBIAS, FLAG_ROW_EXACT, FLAG_COL_EXACT = 1 << 16, 1 << 17, 1 << 18, 1 << 19
 
 quantize_p = Primitive("jf4_quantize")
 quantize_p.multiple_results = True
@@ -68,7 +74,7 @@ def _placeholder(dtype):
     return jax.core.ShapedArray((0,), dtype)
 
 
-def _orientation_avals(fmt, P, M, K, col, swizzled):
+def _orientation_avals(fmt, P, M, K, col, swizzled, exact):
     """(data, scale, window amax) avals of one orientation."""
     if fmt is None:
         return _placeholder(jnp.uint8), _placeholder(jnp.uint8), _placeholder(jnp.float32)
@@ -87,10 +93,11 @@ def _orientation_avals(fmt, P, M, K, col, swizzled):
     if swizzled:
         scale = (round_up(matrix[0], 128), round_up(matrix[1], 4))
     wamax_aval = jax.core.ShapedArray(wamax, jnp.float32) if wamax else _placeholder(jnp.float32)
-    return (jax.core.ShapedArray(data, fmt.data_dtype), jax.core.ShapedArray(scale, fmt.scale_dtype), wamax_aval)
+    data_dtype = jnp.bfloat16 if exact else fmt.data_dtype
+    return (jax.core.ShapedArray(data, data_dtype), jax.core.ShapedArray(scale, fmt.scale_dtype), wamax_aval)
 
 
-def _check(x_shape, x_dtype, row_fmt, col_fmt, scale_layout):
+def _check(x_shape, x_dtype, row_fmt, col_fmt, scale_layout, exact=(False, False)):
     where = f"jf4_quantize: x {jnp.dtype(x_dtype)}{list(x_shape)}"
     if len(x_shape) != 3:
         raise ValueError(f"{where}: expected rank 3 [P, M, K]")
@@ -103,10 +110,17 @@ def _check(x_shape, x_dtype, row_fmt, col_fmt, scale_layout):
             if not isinstance(fmt, Format):
                 raise ValueError(f"{where}: expected a jax_fp4 Format, got {fmt!r}")
             fmt.validate(x_shape, x_dtype, axis)
+    if not (isinstance(exact, tuple) and len(exact) == 2 and all(isinstance(e, bool) for e in exact)):
+        raise ValueError(f"{where}: exact must be a (rowwise, columnwise) pair of bools, got {exact!r}")
+    for fmt, on, side in ((row_fmt, exact[0], "rowwise"), (col_fmt, exact[1], "columnwise")):
+        if on and (fmt is None or (isinstance(fmt, NVFP4) and fmt.local_1x64)):
+            raise ValueError(f"{where}: no exact {side} operand for {fmt!r} (needs NVFP4 1D/2D/RHT or MXFP8; 1x64 "
+                             "window scales do not factor out of a GEMM)")
 
 
-def _abstract_eval(x, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt, scale_layout, dbias, local=False):
-    _check(x.shape, x.dtype, row_fmt, col_fmt, scale_layout)
+def _abstract_eval(x, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt, scale_layout, dbias,
+                   exact=(False, False), local=False):
+    _check(x.shape, x.dtype, row_fmt, col_fmt, scale_layout, exact)
     P, M, K = x.shape
     for name, a, shape, dt in (("amax_row", amax_row, (P,), jnp.float32), ("amax_col", amax_col, (P,), jnp.float32),
                                ("key_row", key_row, (2,), jnp.uint32), ("key_col", key_col, (2,), jnp.uint32)):
@@ -115,7 +129,8 @@ def _abstract_eval(x, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt,
             raise ValueError(f"jf4_quantize: {name} must be {jnp.dtype(dt)}{list(shape)}{alt}, got "
                              f"{a.dtype}{list(a.shape)}")
     swz = scale_layout == "swizzled"
-    outs = _orientation_avals(row_fmt, P, M, K, False, swz) + _orientation_avals(col_fmt, P, M, K, True, swz)
+    outs = (_orientation_avals(row_fmt, P, M, K, False, swz, exact[0])
+            + _orientation_avals(col_fmt, P, M, K, True, swz, exact[1]))
     db = jax.core.ShapedArray((P, -(-M // DBIAS_ROWS), K), jnp.float32) if dbias else _placeholder(jnp.float32)
     return (*outs, db)
 
@@ -124,7 +139,17 @@ quantize_p.def_abstract_eval(_abstract_eval)
 
 
 # ---- reference lowering -----------------------------------------------------------------------------------------
-def _reference_orientation(y, fmt, amax, key_words, col, swizzled):
+def _exact_values(fmt, data, scale, mx_columnwise):
+    """bfloat16 value(q) * block scale of compact codes (the `jf4_dequantize` reference, block scales only)."""
+    data, scale = jax.lax.optimization_barrier((data, scale))  # see gemm.scaled_dot_general: keep the chains apart
+    empty = jnp.zeros((0,), jnp.float32)
+    if isinstance(fmt, NVFP4):
+        fmt = fmt.replace(rht=False)  # the RHT cancels in the product of two RHT operands
+    return reference_dequantize(data, scale, empty, empty, fmt=fmt, out_dtype=jnp.bfloat16, scale_layout="compact",
+                                mx_columnwise=mx_columnwise, transpose_out=False)
+
+
+def _reference_orientation(y, fmt, amax, key_words, col, swizzled, exact=False):
     """y: x (row) or x with M and K swapped (col), block axis last; returns (data, scale, wamax)."""
     wamax = jnp.zeros((0,), jnp.float32)
     if isinstance(fmt, NVFP4):
@@ -142,6 +167,9 @@ def _reference_orientation(y, fmt, amax, key_words, col, swizzled):
         if col:
             data = jnp.swapaxes(data, 1, 2)
     scale = codes.to_dtype(sc, fmt.scale_dtype)  # block axis last
+    if exact:
+        mx_col = col and isinstance(fmt, MXFP8)
+        data = _exact_values(fmt, data, jnp.swapaxes(scale, 1, 2) if mx_col else scale, mx_col)
     if swizzled:
         scale = layout.swizzle(scale.reshape(math.prod(scale.shape[:-1]), scale.shape[-1]))
     elif col and isinstance(fmt, MXFP8):
@@ -149,16 +177,17 @@ def _reference_orientation(y, fmt, amax, key_words, col, swizzled):
     return data, scale, wamax
 
 
-def reference_outputs(x, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt, scale_layout, dbias):
+def reference_outputs(x, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt, scale_layout, dbias,
+                      exact=(False, False)):
     """The primitive's semantics in pure jnp (its default lowering, and the vmap fallback)."""
     swz = scale_layout == "swizzled"
     outs = []
-    for fmt, y, amax, kw, col in ((row_fmt, x, amax_row, key_row, False),
-                                  (col_fmt, jnp.swapaxes(x, 1, 2), amax_col, key_col, True)):
+    for fmt, y, amax, kw, col, ex in ((row_fmt, x, amax_row, key_row, False, exact[0]),
+                                      (col_fmt, jnp.swapaxes(x, 1, 2), amax_col, key_col, True, exact[1])):
         if fmt is None:
             outs += [jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.float32)]
         else:
-            outs += list(_reference_orientation(y, fmt, amax, kw, col, swz))
+            outs += list(_reference_orientation(y, fmt, amax, kw, col, swz, ex))
     outs.append(_reference_dbias(x) if dbias else jnp.zeros((0,), jnp.float32))
     return tuple(outs)
 
@@ -207,17 +236,18 @@ def _kernel_pairing(row_fmt, col_fmt, dbias) -> bool:
     return isinstance(row_fmt, NVFP4) or row_fmt == col_fmt
 
 
-def _split(x, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt, scale_layout, dbias):
+def _split(x, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt, scale_layout, dbias, exact=(False, False)):
     """Two launches (rowwise, then columnwise) for pairings one launch does not serve."""
     empty = [jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.float32)]
     outs = list(empty)
     if row_fmt is not None:
         outs = list(quantize_p.bind(x, amax_row, amax_col, key_row, key_col, row_fmt=row_fmt, col_fmt=None,
-                                    scale_layout=scale_layout, dbias=False, local=True)[:3])
+                                    scale_layout=scale_layout, dbias=False, exact=(exact[0], False),
+                                    local=True)[:3])
     db = jnp.zeros((0,), jnp.float32)
     if col_fmt is not None:
         c = quantize_p.bind(x, amax_row, amax_col, key_row, key_col, row_fmt=None, col_fmt=col_fmt,
-                            scale_layout=scale_layout, dbias=dbias, local=True)
+                            scale_layout=scale_layout, dbias=dbias, exact=(False, exact[1]), local=True)
         outs += list(c[3:6])
         db = c[6]
     else:
@@ -230,14 +260,16 @@ def _split(x, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt, scale_l
 _split_lowering = mlir.lower_fun(_split, multiple_results=True)
 
 
-def _cuda_lowering(ctx, x, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt, scale_layout, dbias):
-    params = dict(row_fmt=row_fmt, col_fmt=col_fmt, scale_layout=scale_layout, dbias=dbias)
+def _cuda_lowering(ctx, x, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt, scale_layout, dbias,
+                   exact=(False, False)):
+    params = dict(row_fmt=row_fmt, col_fmt=col_fmt, scale_layout=scale_layout, dbias=dbias, exact=exact)
     if not kernel_supports(ctx.avals_in[0].shape, row_fmt, col_fmt):
         return _reference_lowering(ctx, x, amax_row, amax_col, key_row, key_col, **params)
     if not _kernel_pairing(row_fmt, col_fmt, dbias):
         return _split_lowering(ctx, x, amax_row, amax_col, key_row, key_col, **params)
     flags = _options(row_fmt) | (_options(col_fmt) << COL_SHIFT)
     flags |= (FLAG_SWIZZLED if scale_layout == "swizzled" else 0) | (FLAG_DBIAS if dbias else 0)
+    flags |= (FLAG_ROW_EXACT if exact[0] else 0) | (FLAG_COL_EXACT if exact[1] else 0)
     rule = jax.ffi.ffi_lowering("jf4_quantize")
     return rule(ctx, x, amax_row, amax_col, key_row, key_col, row_kind=np.int32(_kind(row_fmt)),
                 col_kind=np.int32(_kind(col_fmt)), flags=np.int32(flags))
@@ -282,9 +314,10 @@ def _batch_rule(args, dims, **params):
 batching.primitive_batchers[quantize_p] = _batch_rule
 
 
-def quantize_3d(x3, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt, scale_layout="compact", dbias=False):
+def quantize_3d(x3, amax_row, amax_col, key_row, key_col, *, row_fmt, col_fmt, scale_layout="compact", dbias=False,
+                exact=(False, False)):
     """Bind the primitive (see the module docstring); returns a dict of the seven results by name."""
     outs = quantize_p.bind(x3, amax_row, amax_col, key_row, key_col, row_fmt=row_fmt, col_fmt=col_fmt,
-                           scale_layout=scale_layout, dbias=bool(dbias))
+                           scale_layout=scale_layout, dbias=bool(dbias), exact=(bool(exact[0]), bool(exact[1])))
     return dict(zip(OUTPUT_NAMES, outs, strict=True))
 

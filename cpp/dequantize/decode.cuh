@@ -1,0 +1,80 @@
+// Element decoders shared by the dequantize kernels and the quantize kernels' exact-operand output (NUMERICS.md
+// sections 1-3): E2M1 / E4M3 / E5M2 codes and E8M0 scales to exact fp32, and fp32 to the output dtypes' bits with
+// the reference's rounding (RNE) and canonical NaN.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace jax_fp4 {
+namespace dequantize {
+
+enum Kind : int { kNvfp4 = 1, kMxfp8E4m3 = 2, kMxfp8E5m2 = 3 };
+
+// E2M1 code -> value, built on the fp32 bits (no table: a dynamically indexed array would live in local memory).
+// Exponent field e = code bits 1..2, mantissa m = bit 0: e == 0 gives 0 or 0.5; else (1 + m/2) * 2^(e-1). Code 8 = -0.
+__device__ __forceinline__ float E2M1Value(uint32_t code) {
+  const uint32_t e = (code >> 1) & 3u, m = code & 1u;
+  const uint32_t mag = e ? (((e + 126u) << 23) | (m << 22)) : (m ? 0x3F000000u : 0u);
+  return __uint_as_float(mag | ((code & 8u) << 28));
+}
+
+// Exact fp32 values of the first kN (4 or 8) E2M1 codes packed in `word` (code i in bits 4i..4i+3). Two byte
+// permutes look up the upper 16 bits of each magnitude's fp32 pattern (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6:
+// 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0; byte 3 and byte 2 tables), a third interleaves
+// two elements' halves, and the sign moves from bit 3 of the nibble to bit 31. Same values as E2M1Value, ~3
+// instructions per element instead of ~9.
+template <int kN>
+__device__ __forceinline__ void E2M1xN(uint32_t word, float (&q)[kN]) {
+  static_assert(kN == 4 || kN == 8, "E2M1xN decodes 4 or 8 codes");
+  constexpr uint32_t kByte3Lo = 0x3F3F3F00u, kByte3Hi = 0x40404040u;  // magnitudes 0..3, 4..7
+  constexpr uint32_t kByte2Lo = 0xC0800000u, kByte2Hi = 0xC0804000u;
+#pragma unroll
+  for (int h = 0; h < kN / 4; ++h) {
+    const uint32_t sel = (word >> (16 * h)) & 0x7777u;
+    const uint32_t b3 = __byte_perm(kByte3Lo, kByte3Hi, sel), b2 = __byte_perm(kByte2Lo, kByte2Hi, sel);
+    const uint32_t x01 = __byte_perm(b2, b3, 0x5140u), x23 = __byte_perm(b2, b3, 0x7362u);
+    const uint32_t hi[4] = {x01 << 16, x01 & 0xFFFF0000u, x23 << 16, x23 & 0xFFFF0000u};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int k = 4 * h + i;
+      q[k] = __uint_as_float(hi[i] | ((word << (28 - 4 * k)) & 0x80000000u));
+    }
+  }
+}
+
+// Exact float of an E4M3 / E5M2 code (NaN codes give NaN, E5M2 infinities give infinities).
+template <int kKind>
+__device__ __forceinline__ float Fp8Value(uint32_t code) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code),
+                                               kKind == kMxfp8E4m3 ? __NV_E4M3 : __NV_E5M2);
+  return __half2float(__half(h));
+}
+
+// E8M0 code -> 2^(e-127): code 0 is the fp32 subnormal 2^-127, 255 is NaN.
+__device__ __forceinline__ float E8M0Value(uint32_t e) {
+  if (e == 255u) return __uint_as_float(0x7FC00000u);
+  if (e == 0u) return __uint_as_float(0x00400000u);
+  return __uint_as_float(e << 23);
+}
+
+// fp32 -> output bits, RNE, canonical NaN (0x7FC00000 / 0x7FC0 / 0x7E00) as the reference writes it.
+template <typename Out>
+__device__ __forceinline__ uint32_t OutBits(float v);
+template <>
+__device__ __forceinline__ uint32_t OutBits<float>(float v) { return v != v ? 0x7FC00000u : __float_as_uint(v); }
+template <>
+__device__ __forceinline__ uint32_t OutBits<__nv_bfloat16>(float v) {
+  return v != v ? 0x7FC0u : uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(v)));
+}
+template <>
+__device__ __forceinline__ uint32_t OutBits<__half>(float v) {
+  return v != v ? 0x7E00u : uint32_t(__half_as_ushort(__float2half_rn(v)));
+}
+
+}  // namespace dequantize
+}  // namespace jax_fp4
