@@ -194,10 +194,21 @@ cudaError_t Launch(Args args, cudaStream_t stream) {
   args.tiles_per_cta = !nvfp4 ? 1 : (tiles >= 2048 ? 4 : (tiles >= 256 ? 2 : 1));
   const dim3 grid(unsigned(k_tiles), unsigned((m_tiles + args.tiles_per_cta - 1) / args.tiles_per_cta),
                   unsigned(args.P));
-  if (args.row_exact || args.col_exact) {  // a separate instantiation: the exact stores cost the others nothing
+  // Exact operands run in their own instantiations, so the stores they add cost the code-writing kernels nothing;
+  // kPlain (NVFP4 without options) exists only where an NVFP4 side does.
+  const bool exact = args.row_exact || args.col_exact;
+  if constexpr (kRow == kNvfp4 || kCol == kNvfp4) {
+    if (args.row_opts == 0 && args.col_opts == 0) {
+      if (exact) {
+        QuantizeKernel<In, kRow, kCol, true, true><<<grid, kThreads, 0, stream>>>(args);
+      } else {
+        QuantizeKernel<In, kRow, kCol, true, false><<<grid, kThreads, 0, stream>>>(args);
+      }
+      return cudaGetLastError();
+    }
+  }
+  if (exact) {
     QuantizeKernel<In, kRow, kCol, false, true><<<grid, kThreads, 0, stream>>>(args);
-  } else if (nvfp4 && args.row_opts == 0 && args.col_opts == 0) {
-    QuantizeKernel<In, kRow, kCol, true, false><<<grid, kThreads, 0, stream>>>(args);
   } else {
     QuantizeKernel<In, kRow, kCol, false, false><<<grid, kThreads, 0, stream>>>(args);
   }

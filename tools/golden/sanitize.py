@@ -21,6 +21,11 @@ outs = [
     jax_fp4.quantize(xf, M(), axis=0),
     jax_fp4.quantize(xf.astype(jnp.float16)[:, :32], N(), axis=-1),
     jax_fp4.quantize(jnp.zeros((0, 64), jnp.bfloat16), N()),
+    # exact GEMM operands (bf16 outputs) of the dense layer's passes, and the column-only strided path with K % 16
+    jax_fp4.quantize_rowwise_columnwise(x, N(), M(), exact=(True, False)),
+    jax_fp4.quantize_rowwise_columnwise(x, M(), M(), dbias=True, exact=(True, True)),
+    jax_fp4.quantize_rowwise_columnwise(x, N(stochastic_rounding=True), N(rht=True), key=k, exact=(True, True)),
+    jax_fp4.quantize_rowwise_columnwise(xf[:, :36], None, M(), exact=(False, True)),
 ]
 q_nv = jax_fp4.quantize(x, N(rht=True), axis=0, scale_layout="swizzled")  # transposed output, swizzled scales
 q_mx = jax_fp4.quantize(xf, M(), axis=0)  # columnwise, C = 40: partial segments
