@@ -4,10 +4,11 @@
 // Scheduling as grouped_quantize.cuh (group_table.cuh), with the output tail (positions past the last group) zeroed:
 //  * Tile path (aligned group, 16-aligned offset, inside the buffer): the single-tensor decode routine
 //    dequantize::DecodeSegment on a dequantize::Args describing the group as a [1, R, C] tensor (data / scales offset
-//    to the group, its amax). Stored layouts that keep x's layout (NVFP4 rowwise, MXFP8 both orientations) run 256
-//    segments of 16 elements per unit, RowsKernel style; NVFP4 columnwise (stored x_g.T) runs 64x64 tiles written
-//    transposed through shared memory. raw (the GEMM emulation's operand value(q) * s_b) uses the tensor amax 2688:
-//    (s_b * 2688) * fp32(1/2688) == s_b exactly for every E4M3 value, and skips the inverse RHT.
+//    to the group, its amax). Stored layouts that keep x's layout (NVFP4 rowwise, MXFP8 both orientations) run
+//    kRuns x 256 segments of 16 elements per unit: each thread decodes its kRuns segments (all loads issued) before
+//    its first store, so more bytes are in flight (the single-tensor FlatKernel's idea); NVFP4 columnwise (stored
+//    x_g.T) runs 64x64 tiles written transposed through shared memory. raw (the GEMM emulation's operand
+//    value(q) * s_b) is the single-tensor kBlockOnly mode, without the inverse RHT.
 //  * Generic path (misaligned traced groups and their successors): one thread per internal block of the group's
 //    oriented order, reading codes and the scale slot exactly where the reference does (bounded by the buffers).
 // Every output element is written exactly once; no atomics, no scratch (CUDA-graph safe).
@@ -41,7 +42,7 @@ struct DequantArgs {
   bool raw;  // NVFP4 value(q) * s_b, no tensor scale, no inverse RHT
 };
 
-static __device__ float grouped_raw_amax = 2688.0f;  // raw mode's tensor amax (see the file comment)
+constexpr int kRuns = 4;  // segments per thread and unit on the tile path of row-major layouts
 
 template <int kKind>
 __device__ __forceinline__ bool DequantTilePath(const DequantArgs& a, const Table& t, int g) {
@@ -57,7 +58,7 @@ __device__ __forceinline__ int64_t DequantUnits(const DequantArgs& a, const Tabl
   if (cnt == 0) return 0;
   if (!DequantTilePath<kKind>(a, t, g)) return CeilDiv(CeilDiv(cnt, bs), kThreads);
   if (kKind == dequantize::kNvfp4 && a.col) return CeilDiv(k, dequantize::kTile) * CeilDiv(m, dequantize::kTile);
-  return CeilDiv(m * CeilDiv(k, dequantize::kSeg), kThreads);
+  return CeilDiv(m * CeilDiv(k, dequantize::kSeg), int64_t(kThreads) * kRuns);
 }
 
 template <typename Out>
@@ -130,13 +131,14 @@ __global__ void __launch_bounds__(kThreads) GroupedDequantizeKernel(const Dequan
     dequantize::Args d{};
     d.data = a.data + (kNv ? off / 2 : off);
     d.scale = a.scale + off / bs;
-    d.amax = kNv ? (a.raw ? &grouped_raw_amax : a.amax + g) : nullptr;
+    d.amax = kNv && !a.raw ? a.amax + g : nullptr;
     d.P = 1;
     d.R = transposed ? k : m;
     d.C = transposed ? m : k;
     d.segs_per_row = CeilDiv(d.C, dequantize::kSeg);
     d.scale_cols_padded = 0;
-    d.flags = (kNv && a.rht && !a.raw ? dequantize::kRht : 0) | (!kNv && a.col ? dequantize::kMxColumnwise : 0);
+    d.flags = (kNv && a.rht && !a.raw ? dequantize::kRht : 0) | (!kNv && a.col ? dequantize::kMxColumnwise : 0) |
+              (kNv && a.raw ? dequantize::kBlockOnly : 0);
     d.vector_data = d.C % dequantize::kSeg == 0 && reinterpret_cast<uintptr_t>(d.data) % (kNv ? 8 : 16) == 0 &&
                     (kNv || !a.col || reinterpret_cast<uintptr_t>(d.scale) % 16 == 0);
     Out* og = out + off;  // x_g [M_g, K_g]
@@ -168,15 +170,29 @@ __global__ void __launch_bounds__(kThreads) GroupedDequantizeKernel(const Dequan
         continue;
       }
     }
-    const uint32_t seg = uint32_t(lu) * kThreads + threadIdx.x;  // < 2^31: segments of one group
-    if (seg < d.R * d.segs_per_row) {
-      const uint32_t spr = uint32_t(d.segs_per_row), row = seg / spr;
-      const int64_t c = int64_t(seg - row * spr) * dequantize::kSeg;
-      const int64_t left = d.C - c;
-      const int valid = left < dequantize::kSeg ? int(left) : dequantize::kSeg;
-      float v[16];
-      dequantize::DecodeSegment<kKind>(d, row, c, valid, v);
-      dequantize::Store16<Out>(og + row * d.C + c, v, valid, vector_out);
+    // Segment j of this unit: lu * kRuns * 256 + j * 256 + thread (< 2^31: segments of one group), so each j is a
+    // contiguous warp access.
+    const int64_t segs = d.R * d.segs_per_row;
+    const uint32_t spr = uint32_t(d.segs_per_row);
+    float v[kRuns][16];
+    int64_t dst[kRuns];
+    int valid[kRuns];
+#pragma unroll
+    for (int j = 0; j < kRuns; ++j) {
+      const uint32_t seg = (uint32_t(lu) * kRuns + j) * kThreads + threadIdx.x;
+      valid[j] = 0;
+      if (seg < segs) {
+        const uint32_t row = seg / spr;
+        const int64_t c = int64_t(seg - row * spr) * dequantize::kSeg;
+        const int64_t left = d.C - c;
+        valid[j] = left < dequantize::kSeg ? int(left) : dequantize::kSeg;
+        dst[j] = row * d.C + c;
+        dequantize::DecodeSegment<kKind>(d, row, c, valid[j], v[j]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kRuns; ++j) {
+      if (valid[j] > 0) dequantize::Store16<Out>(og + dst[j], v[j], valid[j], vector_out);
     }
   }
 }
