@@ -42,7 +42,7 @@ struct DequantArgs {
   bool raw;  // NVFP4 value(q) * s_b, no tensor scale, no inverse RHT
 };
 
-constexpr int kRuns = 4;  // segments per thread and unit on the tile path of row-major layouts
+constexpr int kRuns = 2;  // segments per thread and unit (tile path, row-major layouts): 47 registers for 16-bit outputs
 
 template <int kKind>
 __device__ __forceinline__ bool DequantTilePath(const DequantArgs& a, const Table& t, int g) {
@@ -59,6 +59,36 @@ __device__ __forceinline__ int64_t DequantUnits(const DequantArgs& a, const Tabl
   if (!DequantTilePath<kKind>(a, t, g)) return CeilDiv(CeilDiv(cnt, bs), kThreads);
   if (kKind == dequantize::kNvfp4 && a.col) return CeilDiv(k, dequantize::kTile) * CeilDiv(m, dequantize::kTile);
   return CeilDiv(m * CeilDiv(k, dequantize::kSeg), int64_t(kThreads) * kRuns);
+}
+
+// Output bits of a 16-element run: 16 words (float32) or 8 words of two 16-bit values (element 2i low).
+template <typename Out>
+__host__ __device__ constexpr int RunWords() { return sizeof(Out) == 4 ? 16 : 8; }
+
+template <typename Out>
+__device__ __forceinline__ void PackRun(const float (&v)[16], uint32_t (&w)[RunWords<Out>()]) {
+#pragma unroll
+  for (int i = 0; i < RunWords<Out>(); ++i) {
+    w[i] = sizeof(Out) == 4 ? dequantize::OutBits<Out>(v[i])
+                            : dequantize::OutBits<Out>(v[2 * i]) | (dequantize::OutBits<Out>(v[2 * i + 1]) << 16);
+  }
+}
+
+// dequantize::Store16 of packed bits: 16-byte stores when `vector` and the run is whole, else the valid elements.
+template <typename Out>
+__device__ __forceinline__ void StoreRun(Out* dst, const uint32_t (&w)[RunWords<Out>()], int valid, bool vector) {
+  if (vector && valid == 16) {
+    uint4* d = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+    for (int q = 0; q < RunWords<Out>() / 4; ++q) d[q] = make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+    return;
+  }
+  using Bits = typename std::conditional<sizeof(Out) == 4, uint32_t, uint16_t>::type;
+  Bits* d = reinterpret_cast<Bits*>(dst);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    if (i < valid) d[i] = Bits(sizeof(Out) == 4 ? w[i] : w[i >> 1] >> (16 * (i & 1)));
+  }
 }
 
 template <typename Out>
@@ -171,28 +201,31 @@ __global__ void __launch_bounds__(kThreads) GroupedDequantizeKernel(const Dequan
       }
     }
     // Segment j of this unit: lu * kRuns * 256 + j * 256 + thread (< 2^31: segments of one group), so each j is a
-    // contiguous warp access.
+    // contiguous warp access. The decoded runs are held as output bits (8 or 16 words) until the stores.
     const int64_t segs = d.R * d.segs_per_row;
     const uint32_t spr = uint32_t(d.segs_per_row);
-    float v[kRuns][16];
+    uint32_t w[kRuns][RunWords<Out>()];
     int64_t dst[kRuns];
     int valid[kRuns];
 #pragma unroll
     for (int j = 0; j < kRuns; ++j) {
       const uint32_t seg = (uint32_t(lu) * kRuns + j) * kThreads + threadIdx.x;
       valid[j] = 0;
+      dst[j] = 0;
       if (seg < segs) {
         const uint32_t row = seg / spr;
         const int64_t c = int64_t(seg - row * spr) * dequantize::kSeg;
         const int64_t left = d.C - c;
         valid[j] = left < dequantize::kSeg ? int(left) : dequantize::kSeg;
         dst[j] = row * d.C + c;
-        dequantize::DecodeSegment<kKind>(d, row, c, valid[j], v[j]);
+        float v[16];
+        dequantize::DecodeSegment<kKind>(d, row, c, valid[j], v);
+        PackRun<Out>(v, w[j]);
       }
     }
 #pragma unroll
     for (int j = 0; j < kRuns; ++j) {
-      if (valid[j] > 0) dequantize::Store16<Out>(og + dst[j], v[j], valid[j], vector_out);
+      if (valid[j] > 0) StoreRun<Out>(og + dst[j], w[j], valid[j], vector_out);
     }
   }
 }
