@@ -98,10 +98,8 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
         EncodeMxfp8<kCol>(c, e, out);
         const int64_t flat = (p * M + mc) * K + kc;
         if (col_exact) {
-          const float s = dequantize::E8M0Value(e);
-          const float scale[16] = {s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
           uint32_t o[8];
-          ExactMxfp8<kCol>(out, scale, o);
+          ExactMxfp8Block<kCol>(out, e, o);
           uint16_t* dst = reinterpret_cast<uint16_t*>(a.col_data) + flat;
 #pragma unroll
           for (int i = 0; i < 16; ++i) dst[int64_t(i) * K] = uint16_t(o[i >> 1] >> (16 * (i & 1)));

@@ -152,6 +152,14 @@ __device__ __forceinline__ void ExactMxfp8(const uint32_t (&out)[4], const float
   }
 }
 
+// ExactMxfp8 of 16 codes of one 32-block (E8M0 scale code e).
+template <int kKind>
+__device__ __forceinline__ void ExactMxfp8Block(const uint32_t (&out)[4], uint32_t e, uint32_t (&o)[8]) {
+  const float s = dequantize::E8M0Value(e);
+  const float scale[16] = {s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+  ExactMxfp8<kKind>(out, scale, o);
+}
+
 // NVFP4 encode of one 1x16 block with its (block / 2D-tile) amax. `enc` is S_enc (1D/2D) or S_enc,w (1x64).
 // Writes 8 packed bytes to dst (8-byte aligned), or with `exact` the 16 bfloat16 of StoreExactNvfp4 (32-byte
 // aligned), and returns the E4M3 scale code. kSr: stochastic rounding with the 16 random bytes `rnd` (one Philox
@@ -300,10 +308,8 @@ __device__ __forceinline__ void RowMxfp8(const Args& a, const float (&v)[16], in
     EncodeMxfp8<kKind>(v, e, out);
     const int64_t flat = (p * M + m) * K + k;
     if (exact) {
-      const float s = dequantize::E8M0Value(e);
-      const float scale[16] = {s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
       uint32_t o[8];
-      ExactMxfp8<kKind>(out, scale, o);
+      ExactMxfp8Block<kKind>(out, e, o);
       StoreBf16x16(a.row_data + 2 * flat, o, 16, true);
     } else {
       *reinterpret_cast<uint4*>(a.row_data + flat) = make_uint4(out[0], out[1], out[2], out[3]);
