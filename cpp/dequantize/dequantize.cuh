@@ -333,18 +333,21 @@ __global__ void __launch_bounds__(kThreads) FlatKernel(const Args a, Idx num_run
 }
 
 // NVFP4 with kTransposeOut: out[p] = stored[p].T, [C, R]. A 256-thread block owns a tile of kTR stored rows x kTC
-// stored columns: thread t decodes the segments (row t % 64 + 64 s, columns 16 * (t / 64) ...), s < 2, writes them
-// into shared memory as output bits (a warp writes 32 consecutive tile columns: no bank conflicts), then the block
-// writes the kTC output rows of kTR elements as 16-byte runs, consecutive threads on consecutive runs.
+// stored columns. Thread t decodes segment t % 4 (columns 16 * (t % 4) ...) of the stored rows 2j and 2j + 1,
+// j = t / 4, so a warp reads 8 whole 32-byte row pieces per load (coalesced) and writes each (row 2j, 2j + 1) pair of
+// output bits as one shared-memory word (16-bit outputs; 8 bytes for float32) at pair slot j ^ (8 * (c / 16)) of tile
+// row c: the XOR puts the four segments' 8-pair runs in different banks and keeps 16-byte groups contiguous. The
+// block then writes the kTC output rows of kTR elements as 16-byte runs, consecutive threads on consecutive runs.
 // Grid: P * ceil(R / kTR) * ceil(C / kTC) blocks.
 constexpr int kTR = 128, kTC = 64;
 
 template <typename Out>
 __global__ void __launch_bounds__(kThreads) TransposeKernel(const Args a) {
   using Bits = typename std::conditional<sizeof(Out) == 4, uint32_t, uint16_t>::type;
-  constexpr int kV = 16 / int(sizeof(Out));
-  constexpr int kPitch = kTR + kV;  // elements per tile row: 16-byte aligned rows, rows shifted by 4 banks
-  __shared__ __align__(16) Bits tile[kTC * kPitch];
+  using Pair = typename std::conditional<sizeof(Out) == 4, uint2, uint32_t>::type;  // output bits of rows 2j, 2j + 1
+  constexpr int kV = 16 / int(sizeof(Out));   // elements per 16-byte run
+  constexpr int kPairs = kTR / 2;             // pair slots per tile row
+  __shared__ __align__(16) Pair tile[kTC * kPairs];
   const int t = threadIdx.x;
   const int64_t col_tiles = (a.C + kTC - 1) / kTC, row_tiles = (a.R + kTR - 1) / kTR;
   int64_t blk = blockIdx.x;
@@ -352,11 +355,11 @@ __global__ void __launch_bounds__(kThreads) TransposeKernel(const Args a) {
   blk /= col_tiles;
   const int64_t rt = blk % row_tiles, p = blk / row_tiles;
   const int64_t r0 = rt * kTR, c0 = ct * kTC;
-  const int lr = t & 63, cg = t >> 6;
+  const int j = t >> 2, cg = t & 3;
   float v[2][16];
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
-    const int64_t r = r0 + lr + 64 * s, c = c0 + cg * kSeg;
+    const int64_t r = r0 + 2 * j + s, c = c0 + cg * kSeg;
     if (r < a.R && c < a.C) {  // C % 16 == 0: segments are whole
       DecodeSegment<kNvfp4>(a, p * a.R + r, c, kSeg, v[s]);
     } else {
@@ -364,28 +367,35 @@ __global__ void __launch_bounds__(kThreads) TransposeKernel(const Args a) {
       for (int i = 0; i < 16; ++i) v[s][i] = 0.0f;
     }
   }
+  const int slot = j ^ (cg << 3);  // c / 16 == cg for the 16 columns of this segment
 #pragma unroll
-  for (int s = 0; s < 2; ++s) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) tile[(cg * kSeg + i) * kPitch + lr + 64 * s] = Bits(OutBits<Out>(v[s][i]));
+  for (int i = 0; i < 16; ++i) {
+    Pair w;
+    if constexpr (sizeof(Out) == 4) {
+      w = make_uint2(OutBits<Out>(v[0][i]), OutBits<Out>(v[1][i]));
+    } else {
+      w = OutBits<Out>(v[0][i]) | (OutBits<Out>(v[1][i]) << 16);
+    }
+    tile[(cg * kSeg + i) * kPairs + slot] = w;
   }
   __syncthreads();
-  constexpr int kRunsPerRow = kTR / kV, kRuns = kTC * kRunsPerRow;
+  constexpr int kRunsPerRow = kTR / kV, kRuns = kTC * kRunsPerRow, kPairsPerRun = kV / 2;
   Bits* out = static_cast<Bits*>(a.out);
 #pragma unroll
   for (int k = t; k < kRuns; k += kThreads) {
-    const int orl = k / kRunsPerRow, ocl = (k - orl * kRunsPerRow) * kV;
+    const int orl = k / kRunsPerRow, run = k - orl * kRunsPerRow, ocl = run * kV;
     const int64_t orow = c0 + orl, ocol = r0 + ocl;  // output row (a stored column) and first output column
     if (orow >= a.C || ocol >= a.R) continue;
-    const Bits* src = tile + orl * kPitch + ocl;
+    const Pair* src = tile + orl * kPairs + ((run * kPairsPerRun) ^ ((orl >> 4) << 3));
     Bits* dst = out + (p * a.C + orow) * a.R + ocol;
     if (a.vector_out && ocol + kV <= a.R) {
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
     } else {
+      const Bits* e = reinterpret_cast<const Bits*>(src);
       const int64_t valid = a.R - ocol;
 #pragma unroll
       for (int i = 0; i < kV; ++i) {
-        if (i < valid) dst[i] = src[i];
+        if (i < valid) dst[i] = e[i];
       }
     }
   }
