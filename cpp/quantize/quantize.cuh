@@ -38,7 +38,8 @@ namespace quantize {
 template <typename In, int kRow, int kCol, bool kPlain, bool kExact = false>
 __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t mt, int64_t k0, float enc_row,
                                              float enc_col, const float* tab_row = nullptr,
-                                             const float* tab_col = nullptr) {
+                                             const float* tab_col = nullptr, bool use_pre = false,
+                                             const RawSegment<In>& pre = RawSegment<In>{}) {
   constexpr bool kNeedTile = kCol != kNone;
   constexpr bool kMxCol = kCol == kMxfp8E4m3 || kCol == kMxfp8E5m2;
   __shared__ float4 tile[kNeedTile ? kTile : 1][kTile / 4];  // chunk q of row r at TileChunk(r, q)
@@ -58,7 +59,11 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
   const bool row_in = m < M && k < K;
   const int valid = row_in ? int(K - k < 16 ? K - k : 16) : 0;
   float v[16];
-  Load16<In>(x + m * K + k, valid, a.vector_loads, v);
+  if (use_pre) {  // prefetched by the caller (only ever for a whole vector segment)
+    Widen16<In>(pre, v);
+  } else {
+    Load16<In>(x + m * K + k, valid, a.vector_loads, v);
+  }
   if constexpr (kNeedTile) {
 #pragma unroll
     for (int h = 0; h < 4; ++h) {
@@ -174,22 +179,47 @@ __global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
   }
   const int64_t mt0 = int64_t(blockIdx.y) * a.tiles_per_cta;
   const int64_t mt1 = mt0 + a.tiles_per_cta < m_tiles ? mt0 + a.tiles_per_cta : m_tiles;
-  for (int64_t mt = mt0; mt < mt1; ++mt) {  // uniform trip count: the barriers below are reached by all threads
-    QuantizeTile<In, kRow, kCol, kPlain, kExact>(a, p, mt, k0, enc_row, enc_col, row_tab ? tab[0] : nullptr,
-                                         col_tab ? tab[1] : nullptr);
-    __syncthreads();  // shared memory is reused by the next tile
+  if constexpr (kRow != kNvfp4 && kCol != kNvfp4) {
+    // MXFP8 kernels load the next tile's row segment before they work on the current one, so its bytes are in flight
+    // during the current tile's barriers and encodes (whole vector segments only; QuantizeTile loads any other
+    // itself). Not in NVFP4 kernels: the held segment pushed them from 62 to 117 registers.
+    const In* xp = static_cast<const In*>(a.x) + p * a.M * a.K;
+    const int64_t lr = threadIdx.x >> 2, k = k0 + (threadIdx.x & 3) * 16;
+    const auto prefetch = [&](int64_t mt, RawSegment<In>& r) {
+      const int64_t m = mt * kTile + lr;
+      const bool ok = a.vector_loads && m < a.M && k + 16 <= a.K;
+      if (ok) LoadRaw<In>(xp + m * a.K + k, r);
+      return ok;
+    };
+    RawSegment<In> next{};
+    bool have = mt0 < mt1 && prefetch(mt0, next);
+    for (int64_t mt = mt0; mt < mt1; ++mt) {  // uniform trip count: the barriers below are reached by all threads
+      const RawSegment<In> cur = next;
+      const bool cur_ok = have;
+      if (mt + 1 < mt1) have = prefetch(mt + 1, next);
+      QuantizeTile<In, kRow, kCol, kPlain, kExact>(a, p, mt, k0, enc_row, enc_col, nullptr, nullptr, cur_ok, cur);
+      __syncthreads();  // shared memory is reused by the next tile
+    }
+  } else {
+    for (int64_t mt = mt0; mt < mt1; ++mt) {  // uniform trip count: the barriers below are reached by all threads
+      QuantizeTile<In, kRow, kCol, kPlain, kExact>(a, p, mt, k0, enc_row, enc_col, row_tab ? tab[0] : nullptr,
+                                                   col_tab ? tab[1] : nullptr);
+      __syncthreads();  // shared memory is reused by the next tile
+    }
   }
 }
+
+// MXFP8 tiles per block (with the prefetch; 1 measured fastest without it).
+constexpr int kMxTilesPerCta = 4;
 
 // Host-side launch: grid (ceil(K/64), ceil(ceil(M/64) / tiles_per_cta), P).
 template <typename In, int kRow, int kCol>
 cudaError_t Launch(Args args, cudaStream_t stream) {
   const int64_t k_tiles = (args.K + kTile - 1) / kTile, m_tiles = (args.M + kTile - 1) / kTile;
   const int64_t tiles = k_tiles * m_tiles * args.P;
-  const bool nvfp4 = kRow == kNvfp4 || kCol == kNvfp4;
-  // NVFP4 is issue-bound (software E2M1): amortise the setup over 2-4 tiles (>= 512 blocks either way). MXFP8 is
-  // memory-bound and measured faster with one tile per block (more independent loads in flight).
-  args.tiles_per_cta = !nvfp4 ? 1 : (tiles >= 2048 ? 4 : (tiles >= 256 ? 2 : 1));
+  // Amortise the per-block setup over 2-4 tiles (>= 512 blocks either way); the next tile's loads are prefetched.
+  args.tiles_per_cta = tiles >= 2048 ? 4 : (tiles >= 256 ? 2 : 1);
+  if (kRow != kNvfp4 && kCol != kNvfp4 && args.tiles_per_cta > kMxTilesPerCta) args.tiles_per_cta = kMxTilesPerCta;
   const dim3 grid(unsigned(k_tiles), unsigned((m_tiles + args.tiles_per_cta - 1) / args.tiles_per_cta),
                   unsigned(args.P));
   // Exact operands run in their own instantiations, so the stores they add cost the code-writing kernels nothing;

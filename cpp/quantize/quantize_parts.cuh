@@ -69,28 +69,49 @@ __device__ __forceinline__ float ToFloat<__nv_bfloat16>(__nv_bfloat16 v) { retur
 template <>
 __device__ __forceinline__ float ToFloat<__half>(__half v) { return __half2float(v); }
 
+// A thread's 16-element row segment as raw 16-byte words (sizeof(In) of them), so that it can be loaded ahead of its
+// tile (QuantizeKernel prefetches the next tile's segment while it works on the current one).
+template <typename In>
+struct RawSegment {
+  uint4 w[sizeof(In)];
+};
+
+template <typename In>
+__device__ __forceinline__ void LoadRaw(const In* src, RawSegment<In>& r) {
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+#pragma unroll
+  for (int q = 0; q < int(sizeof(In)); ++q) r.w[q] = __ldg(s + q);
+}
+
+// Raw segment -> 16 fp32 values (exact widening).
+template <typename In>
+__device__ __forceinline__ void Widen16(const RawSegment<In>& r, float (&v)[16]) {
+  constexpr int kPerVec = 16 / sizeof(In);
+#pragma unroll
+  for (int q = 0; q < 16 / kPerVec; ++q) {
+    const uint4 w = r.w[q];
+    if constexpr (std::is_same<In, __nv_bfloat16>::value) {  // bf16 -> fp32 is a shift: one instruction a value
+      const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        v[q * 8 + 2 * i] = __uint_as_float(ws[i] << 16);
+        v[q * 8 + 2 * i + 1] = __uint_as_float(ws[i] & 0xFFFF0000u);
+      }
+    } else {
+      const In* e = reinterpret_cast<const In*>(&w);
+#pragma unroll
+      for (int i = 0; i < kPerVec; ++i) v[q * kPerVec + i] = ToFloat<In>(e[i]);
+    }
+  }
+}
+
 // Loads 16 consecutive elements (vectorised when aligned); elements past `valid` read as 0.
 template <typename In>
 __device__ __forceinline__ void Load16(const In* src, int valid, bool vector, float (&v)[16]) {
   if (vector && valid >= 16) {
-    constexpr int kPerVec = 16 / sizeof(In);
-    const uint4* s = reinterpret_cast<const uint4*>(src);
-#pragma unroll
-    for (int q = 0; q < 16 / kPerVec; ++q) {
-      const uint4 w = __ldg(s + q);
-      if constexpr (std::is_same<In, __nv_bfloat16>::value) {  // bf16 -> fp32 is a shift: one instruction a value
-        const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          v[q * 8 + 2 * i] = __uint_as_float(ws[i] << 16);
-          v[q * 8 + 2 * i + 1] = __uint_as_float(ws[i] & 0xFFFF0000u);
-        }
-      } else {
-        const In* e = reinterpret_cast<const In*>(&w);
-#pragma unroll
-        for (int i = 0; i < kPerVec; ++i) v[q * kPerVec + i] = ToFloat<In>(e[i]);
-      }
-    }
+    RawSegment<In> r;
+    LoadRaw<In>(src, r);
+    Widen16<In>(r, v);
   } else {
 #pragma unroll
     for (int i = 0; i < 16; ++i) v[i] = i < valid ? ToFloat<In>(src[i]) : 0.0f;
