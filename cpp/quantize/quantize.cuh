@@ -209,17 +209,14 @@ __global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
   }
 }
 
-// MXFP8 tiles per block (with the prefetch; 1 measured fastest without it).
-constexpr int kMxTilesPerCta = 4;
-
 // Host-side launch: grid (ceil(K/64), ceil(ceil(M/64) / tiles_per_cta), P).
 template <typename In, int kRow, int kCol>
 cudaError_t Launch(Args args, cudaStream_t stream) {
   const int64_t k_tiles = (args.K + kTile - 1) / kTile, m_tiles = (args.M + kTile - 1) / kTile;
   const int64_t tiles = k_tiles * m_tiles * args.P;
-  // Amortise the per-block setup over 2-4 tiles (>= 512 blocks either way); the next tile's loads are prefetched.
+  // Amortise the per-block setup over 2-4 tiles (>= 512 blocks either way). MXFP8 ran fastest with one tile per
+  // block until its kernels prefetched the next tile (row+col 92.4 -> 87.5 us at 8192^2 on an H200 with 4).
   args.tiles_per_cta = tiles >= 2048 ? 4 : (tiles >= 256 ? 2 : 1);
-  if (kRow != kNvfp4 && kCol != kNvfp4 && args.tiles_per_cta > kMxTilesPerCta) args.tiles_per_cta = kMxTilesPerCta;
   const dim3 grid(unsigned(k_tiles), unsigned((m_tiles + args.tiles_per_cta - 1) / args.tiles_per_cta),
                   unsigned(args.P));
   // Exact operands run in their own instantiations, so the stores they add cost the code-writing kernels nothing;
