@@ -33,7 +33,7 @@ from jax_fp4._src.primitives.quantize import (
     quantize_3d,
     reference_outputs,
 )
-from jax_fp4.gemm import ExactOperand, exact_operand
+from jax_fp4.gemm import ExactOperand, exact_dot_general, exact_operand, scaled_dot_general
 
 KEY = jax.random.key(77)
 
@@ -130,6 +130,29 @@ def test_exact_under_vmap(rng):
     got = jax.vmap(f)(x)
     for b in range(3):
         assert_same_bits(jax.tree.map(lambda a, b=b: a[b], got), f(x[b]), f"vmap example {b}")
+
+
+@pytest.mark.parametrize("fmt", [NVFP4(), MXFP8()], ids=repr)
+def test_exact_dot_general_equals_scaled_dot_general(rng, fmt):
+    """The dense route (an ExactOperand from the quantize pass times a QuantizedArray) gives the bits of the
+    QuantizedArray route (`scaled_dot_general`, emulated), tensor scales included."""
+    x, w = random_input(rng, (64, 128), jnp.bfloat16), random_input(rng, (128, 32), jnp.bfloat16)
+    dn = (((1,), (0,)), ((), ()))
+
+    def both(x, w):
+        xe = jax_fp4.quantize_rowwise_columnwise(x, fmt, None, exact=(True, False))[0]
+        wq = jax_fp4.quantize(w, fmt, axis=0)
+        return exact_dot_general(xe, wq, dn), scaled_dot_general(jax_fp4.quantize(x, fmt), wq, dn,
+                                                                 implementation="emulated")
+
+    fused, plain = jax.jit(both)(x, w)
+    assert_leaf_bits(fused, plain, f"{fmt!r} exact route")
+
+
+def test_exact_dot_general_rejects_other_operands():
+    q = jax_fp4.quantize(jnp.ones((32, 32), jnp.bfloat16), MXFP8())
+    with pytest.raises(ValueError, match="rhs must be a QuantizedArray or an ExactOperand, got"):
+        exact_dot_general(q, jnp.ones((32, 32), jnp.bfloat16), (((1,), (0,)), ((), ())))
 
 
 # ---- GPU: the kernel's exact operands == the reference's ------------------------------------------------------------
