@@ -35,6 +35,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -140,6 +141,9 @@ def _compact_from_swizzled(fmt, scale, shape, mx_columnwise):
 def reference_dequantize(data, scale, amax, window_amax, *, fmt, out_dtype, scale_layout, mx_columnwise,
                          transpose_out):
     """The primitive's semantics in pure jnp (its default lowering)."""
+    # A barrier between the codes and their decode: without it XLA fuses a producer's integer chains (e.g. the
+    # reference quantize in the same jit) into the decode, and jax >= 0.11's algebraic simplifier then takes minutes.
+    data, scale, amax, window_amax = lax.optimization_barrier((data, scale, amax, window_amax))
     if scale_layout == "swizzled":
         scale = _compact_from_swizzled(fmt, scale, data.shape, mx_columnwise)
     if _tensor_scale(fmt) and amax.shape[0] == 0:  # block scales only (see the module docstring)

@@ -57,6 +57,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
@@ -199,6 +200,9 @@ def reference_quantize(x, first_dims, last_dims, key_row, key_col, *, row_fmt, c
 
 
 def reference_dequantize(data, scale, amax, first_dims, last_dims, *, fmt, axis, x_shape, out_dtype, raw):
+    # Keep the codes' producers out of the decode's fusions (see dequantize.reference_dequantize: jax >= 0.11 compiles
+    # a reference quantize fused into the decode for minutes).
+    data, scale, amax = lax.optimization_barrier((data, scale, amax))
     return ref.dequantize_groups(data, scale, amax if amax.shape[0] else None, first_dims, last_dims, fmt, axis,
                                  x_shape, out_dtype, raw=raw)
 
