@@ -300,3 +300,28 @@ def test_vmap():
         one = f(xb[i], rows, keys[i])
         assert_same_bits(jax.tree.map(lambda a, i=i: a[i], batched), one, f"example {i}")
         assert_same_bits(deq[i], jax_fp4.grouped_dequantize(one), f"dequantize example {i}")
+
+
+
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_bf16_subnormal_inputs_are_kept(axis):
+    """bfloat16 subnormals are values, not zeros (NUMERICS.md: IEEE, subnormals kept), on XLA:CPU too.
+
+    Each group's amax is bf16 max, so a block holding only the largest bf16 subnormal (0x007F, about 1.17e-38) gets
+    E4M3 scale code 0 and the multiplier FLT_MAX: 1.17e-38 * FLT_MAX = 3.96 -> E2M1 4.0 (code 6; 0xE in group 1,
+    whose values are negated). A widening that flushed subnormals gave code 0 (XLA:CPU's bf16 -> f32 convert inside
+    the grouped gather, jax 0.11.2).
+    """
+    u = np.zeros((32, 32), np.uint16)
+    u[0, 0] = 0x7F7F  # bf16 max
+    if axis == -1:
+        u[1, :] = 0x007F  # row 1: two 1x16 blocks of subnormals
+    else:
+        u[:, 1] = 0x007F  # column 1: two 16x1 blocks of subnormals (row 1 of the stored [K, M] data)
+    u = np.concatenate([u, u | np.uint16(0x8000) * (u != 0)])  # group 1: negated
+    x = jnp.asarray(u.view(jnp.bfloat16))
+    gq = jax.jit(lambda x, gs: jax_fp4.grouped_quantize(x, gs, NVFP4(), axis=axis))(x, jnp.asarray([32, 32]))
+    for g, (got, xg) in enumerate(zip(gq.split(), (x[:32], x[32:]), strict=True)):
+        codes = bits(got.data)
+        assert (codes[1] == 0x6 | (0x8 * g)).all(), f"group {g}: codes of the subnormal blocks {codes[1]}"
+        assert_same_bits(got, jq(xg, NVFP4(), axis, None), f"group {g} vs single-tensor quantize")

@@ -24,8 +24,34 @@ FLT_MAX = np.float32(np.finfo(np.float32).max)
 
 
 def bits(x) -> jnp.ndarray:
-    """uint32 bit pattern of float32(x) (bf16/f16 inputs are widened exactly first)."""
-    return lax.bitcast_convert_type(jnp.asarray(x).astype(jnp.float32), U32)
+    """uint32 bit pattern of float32(x) (bf16/f16 inputs are widened exactly first, see `widen_bits`)."""
+    return widen_bits(x)
+
+
+def widen_bits(x) -> jnp.ndarray:
+    """uint32 fp32 bit pattern of a bfloat16 / float16 / float32 array, widened exactly with integer operations.
+
+    XLA:CPU's bfloat16 -> float32 convert flushes bfloat16 subnormals to signed zero inside some fusions (seen in the
+    grouped quantize's gather on jax 0.11/0.12), while NUMERICS.md and the kernels keep them; bfloat16 is the upper
+    half of a float32 and float16 subnormals are fp32 normals, so both widen exactly by bit manipulation.
+    Other dtypes go through `astype(float32)`.
+    """
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bfloat16:
+        return lax.bitcast_convert_type(x, jnp.uint16).astype(U32) << 16
+    if x.dtype == jnp.float16:
+        h = lax.bitcast_convert_type(x, jnp.uint16).astype(U32)
+        sign, e, m = (h >> 15) << 31, (h >> 10) & U32(0x1F), h & U32(0x3FF)
+        p = 31 - _clz(m)  # highest set bit of a subnormal's significand (0..9): value m * 2**-24
+        sub = jnp.where(m == 0, U32(0), ((p + 103).astype(U32) << 23) | ((m << (23 - p).astype(U32)) & U32(0x7FFFFF)))
+        mag = jnp.where(e == 0x1F, U32(0x7F800000) | (m << 13), ((e + 112) << 23) | (m << 13))
+        return sign | jnp.where(e == 0, sub, mag)
+    return lax.bitcast_convert_type(x.astype(jnp.float32), U32)
+
+
+def widen(x) -> jnp.ndarray:
+    """float32 of a bfloat16 / float16 / float32 array, exact (subnormals kept on every platform): `widen_bits`."""
+    return from_bits(widen_bits(x))
 
 
 def from_bits(b) -> jnp.ndarray:

@@ -67,6 +67,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jax_fp4.formats import MXFP8, NVFP4, Format
 from jax_fp4.reference import _f32, codes, mxfp8, nvfp4, rht, sr
@@ -278,7 +279,15 @@ def _o2c(local, m, k):
 
 
 def _take(src, idx, limit):
-    """src[idx] for 0 <= idx < limit, else 0 (src extended by one zero; nothing out of bounds)."""
+    """src[idx] for 0 <= idx < limit, else 0 (src extended by one zero; nothing out of bounds).
+
+    Floating-point sources are gathered as their unsigned-integer bit patterns: XLA:CPU's gather of bfloat16
+    (jax 0.12) returned +0 for positive subnormals, which NUMERICS.md keeps.
+    """
+    src = jnp.asarray(src)
+    if jnp.issubdtype(src.dtype, jnp.floating):
+        ubits = jnp.dtype(f"uint{8 * src.dtype.itemsize}")
+        return lax.bitcast_convert_type(_take(lax.bitcast_convert_type(src, ubits), idx, limit), src.dtype)
     ext = jnp.concatenate([src, jnp.zeros((1,), src.dtype)])
     idx = jnp.where((idx >= 0) & (idx < limit), idx, src.shape[0])
     return ext[idx]
@@ -371,7 +380,7 @@ def quantize_groups(x, rows, cols, fmt: Format, axis: int, key_words=None):
     g, local, valid = lay.locate(jnp.arange(lay.internal, dtype=I32), lay.aoff)
     m, k = rows[g], cols[g]
     src = offsets[g] + (_o2c(local, m, k) if transposed else local)
-    y = _take(x.reshape(-1), jnp.where(valid, src, -1), size).astype(jnp.float32)
+    y = _f32.widen(_take(x.reshape(-1), jnp.where(valid, src, -1), size))  # exact (subnormals kept)
     gb, lb = g[::bs], local[::bs] // bs  # per internal block: group and block index inside the group
 
     if isinstance(fmt, NVFP4):
@@ -444,7 +453,7 @@ def column_sums(x, rows, cols, rep: Representation) -> jnp.ndarray:
     lay = _Layout(rows, cols, offsets, size, 1)
     g, local, valid = lay.locate(jnp.arange(size, dtype=I32), offsets)
     seg = _excl_cumsum(jnp.maximum(cols, 0))[g] + local % jnp.maximum(cols[g], 1)
-    sums = jax.ops.segment_sum(jnp.where(valid, x.reshape(-1).astype(jnp.float32), 0), jnp.where(valid, seg, width),
+    sums = jax.ops.segment_sum(jnp.where(valid, _f32.widen(x.reshape(-1)), 0), jnp.where(valid, seg, width),
                                num_segments=width)
     return sums if rep is Representation.VARYING_LAST_DIM else sums.reshape(n, x.shape[1])
 

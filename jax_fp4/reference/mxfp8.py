@@ -37,7 +37,7 @@ def _target(fmt: MXFP8):
 
 def quantize(y, fmt: MXFP8):
     """y [..., n] (block axis last, n % 32 == 0) -> (uint32 data codes [..., n], uint32 E8M0 codes [..., n/32])."""
-    y = y.astype(jnp.float32)
+    y = _f32.widen(y)  # exact (subnormals kept on every platform)
     bs = fmt.block_size
     blocks = y.reshape(*y.shape[:-1], y.shape[-1] // bs, bs)
     bamax = _f32.from_bits(jnp.max(abs_bits(blocks), axis=-1, initial=0))

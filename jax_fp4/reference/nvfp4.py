@@ -86,7 +86,7 @@ def quantize(y, fmt: NVFP4, key=None) -> NVFP4Parts:
 
 def prepare(y, fmt: NVFP4):
     """Widen to float32 and apply the RHT when the format asks for it (block axis last)."""
-    y = y.astype(F32)
+    y = _f32.widen(y)  # exact (subnormals kept on every platform)
     return rht.forward(y) if fmt.rht else y
 
 
