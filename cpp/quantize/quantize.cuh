@@ -51,18 +51,18 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
   const int t = threadIdx.x;
   const int64_t m0 = mt * kTile;
   const int64_t M = a.M, K = a.K;
-  const In* x = static_cast<const In*>(a.x) + p * M * K;
 
   // ---- load: row segment of thread t ----
   const int lr = t >> 2, cg = t & 3;
   const int64_t m = m0 + lr, k = k0 + cg * 16;
+  const int64_t flat = (p * M + m) * K + k;  // the segment's element index in x and in the rowwise [P, M, K] layouts
   const bool row_in = m < M && k < K;
   const int valid = row_in ? int(K - k < 16 ? K - k : 16) : 0;
   float v[16];
   if (use_pre) {  // prefetched by the caller (only ever for a whole vector segment)
     Widen16<In>(pre, v);
   } else {
-    Load16<In>(x + m * K + k, valid, a.vector_loads, v);
+    Load16<In>(static_cast<const In*>(a.x) + flat, valid, a.vector_loads, v);
   }
   if constexpr (kNeedTile) {
 #pragma unroll
@@ -73,9 +73,9 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
 
   // ---- rowwise (v is already staged in shared memory for the columnwise pass) ----
   if constexpr (kRow == kNvfp4) {
-    RowNvfp4(a, kPlain ? 0 : a.row_opts, v, sh, lr, cg, row_in, p, m, k, enc_row, tab_row, row_exact);
+    RowNvfp4(a, kPlain ? 0 : a.row_opts, v, sh, lr, cg, row_in, p, m, k, flat, enc_row, tab_row, row_exact);
   } else if constexpr (kRow != kNone) {
-    RowMxfp8<kRow>(a, v, cg, row_in, p, m, k, row_exact);
+    RowMxfp8<kRow>(a, v, cg, row_in, p, m, k, flat, row_exact);
   }
 
   if constexpr (kNeedTile) {
@@ -101,15 +101,15 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
       if (col_in) {
         uint32_t out[4];
         EncodeMxfp8<kCol>(c, e, out);
-        const int64_t flat = (p * M + mc) * K + kc;
+        const int64_t cflat = (p * M + mc) * K + kc;
         if (col_exact) {
           uint32_t o[8];
           ExactMxfp8Block<kCol>(out, e, o);
-          uint16_t* dst = reinterpret_cast<uint16_t*>(a.col_data) + flat;
+          uint16_t* dst = reinterpret_cast<uint16_t*>(a.col_data) + cflat;
 #pragma unroll
           for (int i = 0; i < 16; ++i) dst[int64_t(i) * K] = uint16_t(o[i >> 1] >> (16 * (i & 1)));
         } else {
-          uint8_t* dst = a.col_data + flat;
+          uint8_t* dst = a.col_data + cflat;
 #pragma unroll
           for (int i = 0; i < 16; ++i) dst[int64_t(i) * K] = uint8_t(out[i / 4] >> (8 * (i & 3)));
         }
@@ -144,9 +144,9 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
           }
           uint32_t o[8];
           ExactMxfp8<kCol>(out, scale, o);
-          StoreBf16x16(a.col_data + 2 * ((p * M + m) * K + k), o, valid, K % 16 == 0);
+          StoreBf16x16(a.col_data + 2 * flat, o, valid, K % 16 == 0);
         } else {
-          uint8_t* dst = a.col_data + (p * M + m) * K + k;
+          uint8_t* dst = a.col_data + flat;
           if (K % 16 == 0) {
             *reinterpret_cast<uint4*>(dst) = make_uint4(out[0], out[1], out[2], out[3]);
           } else {  // rows not 16-byte aligned: byte stores of the valid elements

@@ -285,10 +285,11 @@ struct TileShared {
 // ---- rowwise steps: thread (lr, cg) holds row segment v = x[p][m, k..k+16), m = m0 + lr, k = k0 + 16 cg ----------
 // NVFP4 rowwise: block amax (2D: the 16x16 tile's, exchanged through shared memory, so the branch on k2d is uniform and
 // its barrier is reached by every thread), encode, store data, scale and (1x64) window amax. v is RHT'd in place.
+// `flat`: the segment's element index in x and in the stored [P, M, K], (p * M + m) * K + k (computed once per tile).
 __device__ __forceinline__ void RowNvfp4(const Args& a, int opts, float (&v)[16], TileShared& sh, int lr, int cg,
-                                         bool row_in, int64_t p, int64_t m, int64_t k, float enc_row,
+                                         bool row_in, int64_t p, int64_t m, int64_t k, int64_t flat, float enc_row,
                                          const float* tab_row, bool exact) {
-  const int64_t M = a.M, K = a.K;
+  const int64_t M = a.M;
   if (opts & kRht) cvt::RhtForward16(v);
   float bamax = Max16(v);
   float wamax = fmaxf(bamax, __shfl_xor_sync(0xffffffffu, bamax, 1));
@@ -305,29 +306,26 @@ __device__ __forceinline__ void RowNvfp4(const Args& a, int opts, float (&v)[16]
   if (row_in) {
     const bool local = opts & k1x64;
     const float enc = local ? cvt::WindowEncodeScale(wamax) : enc_row;
-    const int64_t flat = (p * M + m) * K + k;  // element index in the stored [P, M, K]
     const bool sr = opts & kSr;
     const int64_t sflat = sr ? StreamIndex(a.stream_row, flat, p, m, k) : flat;
     uint8_t* dst = exact ? a.row_data + 2 * flat : a.row_data + flat / 2;
     const uint32_t sc = EncodeNvfp4(v, bamax, enc, local, sr, sflat, a.key_row, dst, tab_row, exact);
-    const int64_t si = p * M + m, sj = k >> 4;
-    a.row_scale[a.swizzled ? SwizzledIndex(si, sj, a.row_scale_cols_padded) : si * (K >> 4) + sj] = uint8_t(sc);
-    if (local && cg == 0) a.row_wamax[si * (K >> 6) + (k >> 6)] = wamax;
+    // compact scale S[p * M + m, k / 16] sits at flat / 16 (K % 16 == 0, k % 16 == 0)
+    a.row_scale[a.swizzled ? SwizzledIndex(p * M + m, k >> 4, a.row_scale_cols_padded) : flat >> 4] = uint8_t(sc);
+    if (local && cg == 0) a.row_wamax[flat >> 6] = wamax;  // [P * M, K / 64]: k % 64 == 0 here
   }
 }
 
 // MXFP8 rowwise: the 32-block is the segments of lanes cg and cg ^ 1.
 template <int kKind>
 __device__ __forceinline__ void RowMxfp8(const Args& a, const float (&v)[16], int cg, bool row_in, int64_t p,
-                                         int64_t m, int64_t k, bool exact) {
-  const int64_t M = a.M, K = a.K;
+                                         int64_t m, int64_t k, int64_t flat, bool exact) {
   float bamax = Max16(v);
   bamax = fmaxf(bamax, __shfl_xor_sync(0xffffffffu, bamax, 1));
   if (row_in) {
     const uint32_t e = Mxfp8ScaleCode<kKind>(bamax);
     uint32_t out[4];
     EncodeMxfp8<kKind>(v, e, out);
-    const int64_t flat = (p * M + m) * K + k;
     if (exact) {
       uint32_t o[8];
       ExactMxfp8Block<kKind>(out, e, o);
@@ -335,9 +333,8 @@ __device__ __forceinline__ void RowMxfp8(const Args& a, const float (&v)[16], in
     } else {
       *reinterpret_cast<uint4*>(a.row_data + flat) = make_uint4(out[0], out[1], out[2], out[3]);
     }
-    if ((cg & 1) == 0) {
-      const int64_t si = p * M + m, sj = k >> 5;
-      a.row_scale[a.swizzled ? SwizzledIndex(si, sj, a.row_scale_cols_padded) : si * (K >> 5) + sj] = uint8_t(e);
+    if ((cg & 1) == 0) {  // compact scale S[p * M + m, k / 32] sits at flat / 32 (K % 32 == 0, k % 32 == 0)
+      a.row_scale[a.swizzled ? SwizzledIndex(p * a.M + m, k >> 5, a.row_scale_cols_padded) : flat >> 5] = uint8_t(e);
     }
   }
 }
@@ -403,9 +400,9 @@ __device__ __forceinline__ void ColNvfp4(const Args& a, int opts, const float (&
   const int64_t sflat = sr ? StreamIndex(a.stream_col, flat, p, kc, mc) : flat;
   uint8_t* dst = exact ? a.col_data + 2 * flat : a.col_data + flat / 2;
   const uint32_t sc = EncodeNvfp4(c, bamax, enc, local, sr, sflat, a.key_col, dst, tab_col, exact);
-  const int64_t si = p * K + kc, sj = mc >> 4;
-  a.col_scale[a.swizzled ? SwizzledIndex(si, sj, a.col_scale_cols_padded) : si * (M >> 4) + sj] = uint8_t(sc);
-  if (local && rb == 0) a.col_wamax[si * (M >> 6) + (mc >> 6)] = wamax;
+  // compact scale S[p * K + kc, mc / 16] sits at flat / 16 (M % 16 == 0, mc % 16 == 0)
+  a.col_scale[a.swizzled ? SwizzledIndex(p * K + kc, mc >> 4, a.col_scale_cols_padded) : flat >> 4] = uint8_t(sc);
+  if (local && rb == 0) a.col_wamax[flat >> 6] = wamax;  // [P * K, M / 64]: mc % 64 == 0 here
 }
 
 // MXFP8 columnwise E8M0 code of the 32-block of segments rb and rb ^ 1 (after the barrier); the scale is stored by the

@@ -8,6 +8,7 @@ N, M = jax_fp4.NVFP4, jax_fp4.MXFP8
 rng = np.random.default_rng(0)
 x = jnp.asarray(rng.standard_normal((320, 192)), jnp.bfloat16)
 xf = jnp.asarray(rng.standard_normal((96, 40)), jnp.float32)
+xl = jnp.asarray(rng.standard_normal((4064, 2016)), jnp.bfloat16)
 k = jax.random.key(0)
 outs = [
     jax_fp4.quantize_rowwise_columnwise(x, N(), N()),
@@ -26,6 +27,11 @@ outs = [
     jax_fp4.quantize_rowwise_columnwise(x, M(), M(), dbias=True, exact=(True, True)),
     jax_fp4.quantize_rowwise_columnwise(x, N(stochastic_rounding=True), N(rht=True), key=k, exact=(True, True)),
     jax_fp4.quantize_rowwise_columnwise(xf[:, :36], None, M(), exact=(False, True)),
+    # MXFP8 kernels walking 4 tiles per block with the next tile's row segment prefetched (>= 2048 tiles), with a
+    # partial last row tile and a partial last column tile (K % 64 = 32)
+    jax_fp4.quantize_rowwise_columnwise(xl, M(), M(), dbias=True),
+    jax_fp4.quantize_rowwise_columnwise(xl, M(), M(), exact=(True, True)),
+    jax_fp4.quantize(xl, M(), axis=0),
 ]
 q_nv = jax_fp4.quantize(x, N(rht=True), axis=0, scale_layout="swizzled")  # transposed output, swizzled scales
 q_mx = jax_fp4.quantize(xf, M(), axis=0)  # columnwise, C = 40: partial segments
