@@ -35,11 +35,14 @@ namespace quantize {
 // One 64x64 tile (rows m0.., columns k0.. of x[p]; mt = m0 / 64). enc_row / enc_col: the NVFP4 tensor encode scales
 // (unused for 1x64 and MXFP8); tab_row / tab_col: their MultiplierTable in shared memory, or null. Every barrier
 // inside is reached by all threads of the block.
-template <typename In, int kRow, int kCol, bool kPlain, bool kExact = false>
+// kGivenPos: the caller passes the row segment's flat index and whether its row exists (flat_in, row_in_given), kept
+// up to date across the tiles of a block instead of recomputed with 64-bit products per tile.
+template <typename In, int kRow, int kCol, bool kPlain, bool kExact = false, bool kGivenPos = false>
 __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t mt, int64_t k0, float enc_row,
                                              float enc_col, const float* tab_row = nullptr,
                                              const float* tab_col = nullptr, bool use_pre = false,
-                                             const RawSegment<In>& pre = RawSegment<In>{}) {
+                                             const RawSegment<In>& pre = RawSegment<In>{}, int64_t flat_in = 0,
+                                             bool row_in_given = false) {
   constexpr bool kNeedTile = kCol != kNone;
   constexpr bool kMxCol = kCol == kMxfp8E4m3 || kCol == kMxfp8E5m2;
   __shared__ float4 tile[kNeedTile ? kTile : 1][kTile / 4];  // chunk q of row r at TileChunk(r, q)
@@ -55,8 +58,9 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
   // ---- load: row segment of thread t ----
   const int lr = t >> 2, cg = t & 3;
   const int64_t m = m0 + lr, k = k0 + cg * 16;
-  const int64_t flat = (p * M + m) * K + k;  // the segment's element index in x and in the rowwise [P, M, K] layouts
-  const bool row_in = m < M && k < K;
+  // the segment's element index in x and in the rowwise [P, M, K] layouts
+  const int64_t flat = kGivenPos ? flat_in : (p * M + m) * K + k;
+  const bool row_in = kGivenPos ? row_in_given : m < M && k < K;
   const int valid = row_in ? int(K - k < 16 ? K - k : 16) : 0;
   float v[16];
   if (use_pre) {  // prefetched by the caller (only ever for a whole vector segment)
@@ -183,21 +187,27 @@ __global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
     // MXFP8 kernels load the next tile's row segment before they work on the current one, so its bytes are in flight
     // during the current tile's barriers and encodes (whole vector segments only; QuantizeTile loads any other
     // itself). Not in NVFP4 kernels: the held segment pushed them from 62 to 117 registers.
-    const In* xp = static_cast<const In*>(a.x) + p * a.M * a.K;
-    const int64_t lr = threadIdx.x >> 2, k = k0 + (threadIdx.x & 3) * 16;
-    const auto prefetch = [&](int64_t mt, RawSegment<In>& r) {
-      const int64_t m = mt * kTile + lr;
-      const bool ok = a.vector_loads && m < a.M && k + 16 <= a.K;
-      if (ok) LoadRaw<In>(xp + m * a.K + k, r);
-      return ok;
-    };
+    // The thread's segment of tile mt starts at element flat = (p * M + 64 mt + lr) * K + k of x (and of the rowwise
+    // outputs); it and the rows left below it advance by one tile per step instead of being recomputed.
+    const In* x = static_cast<const In*>(a.x);
+    const int lr = int(threadIdx.x >> 2);
+    const int64_t k = k0 + (threadIdx.x & 3) * 16, tile_elems = int64_t(kTile) * a.K;
+    const bool k_ok = a.vector_loads && k + 16 <= a.K, k_in = k < a.K;
+    int64_t flat = (p * a.M + mt0 * kTile + lr) * a.K + k, rows_left = a.M - (mt0 * kTile + lr);
     RawSegment<In> next{};
-    bool have = mt0 < mt1 && prefetch(mt0, next);
+    bool have = mt0 < mt1 && k_ok && rows_left > 0;
+    if (have) LoadRaw<In>(x + flat, next);
     for (int64_t mt = mt0; mt < mt1; ++mt) {  // uniform trip count: the barriers below are reached by all threads
       const RawSegment<In> cur = next;
       const bool cur_ok = have;
-      if (mt + 1 < mt1) have = prefetch(mt + 1, next);
-      QuantizeTile<In, kRow, kCol, kPlain, kExact>(a, p, mt, k0, enc_row, enc_col, nullptr, nullptr, cur_ok, cur);
+      if (mt + 1 < mt1) {
+        have = k_ok && rows_left > kTile;  // the next tile's row of this thread exists
+        if (have) LoadRaw<In>(x + flat + tile_elems, next);
+      }
+      QuantizeTile<In, kRow, kCol, kPlain, kExact, true>(a, p, mt, k0, enc_row, enc_col, nullptr, nullptr, cur_ok,
+                                                         cur, flat, k_in && rows_left > 0);
+      flat += tile_elems;
+      rows_left -= kTile;
       __syncthreads();  // shared memory is reused by the next tile
     }
   } else {
