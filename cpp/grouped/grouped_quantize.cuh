@@ -54,6 +54,11 @@ using quantize::kNvfp4;
 
 __host__ __device__ constexpr int BlockOf(int kind) { return kind == kNvfp4 ? 16 : 32; }
 
+// 64-row tiles per tile-path work unit: MXFP8-only pairings walk 4 tiles down a group's rows with the next tile's
+// row segment prefetched (quantize::QuantizeTilesPrefetched, as the single-tensor kernel does); NVFP4 ones take one.
+template <int kRow, int kCol>
+__host__ __device__ constexpr int TilesPerUnit() { return kRow != kNvfp4 && kCol != kNvfp4 ? 4 : 1; }
+
 // Tile path eligibility: aligned block axes, a 16-aligned offset (the tile routine's vector stores) and inside x.
 template <int kRow, int kCol>
 __device__ __forceinline__ bool TilePath(const Table& t, int g) {
@@ -89,7 +94,9 @@ __device__ __forceinline__ int64_t QuantUnits(const Table& t, int g) {
   }
   const int64_t cnt = t.Count(g);
   if (cnt == 0) return 0;
-  if (TilePath<kRow, kCol>(t, g)) return CeilDiv(t.rows[g], 64) * CeilDiv(t.cols[g], 64);
+  if (TilePath<kRow, kCol>(t, g)) {
+    return CeilDiv(CeilDiv(t.rows[g], 64), TilesPerUnit<kRow, kCol>()) * CeilDiv(t.cols[g], 64);
+  }
   const int bs = (kRow == kNvfp4 || kCol == kNvfp4) ? 16 : 32;  // the smaller block of the two orientations
   return CeilDiv(CeilDiv(cnt, bs), kThreads);
 }
@@ -263,10 +270,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) GroupedQuantizeKernel(co
       q.vector_loads = (k * int64_t(sizeof(In))) % 16 == 0 && reinterpret_cast<uintptr_t>(x + off) % 16 == 0;
       const float enc_row = kRow == kNvfp4 ? cvt::GlobalEncodeScale(a.amax[g]) : 1.0f;
       const float enc_col = kCol == kNvfp4 ? cvt::GlobalEncodeScale(a.amax[t.n + g]) : 1.0f;
-      const uint32_t k_tiles = uint32_t(CeilDiv(k, quantize::kTile)), mt = uint32_t(lu) / k_tiles;
-      quantize::QuantizeTile<In, kRow, kCol, kPlain>(q, 0, mt, int64_t(uint32_t(lu) - mt * k_tiles) * quantize::kTile,
-                                                     enc_row, enc_col);
-      __syncthreads();  // the tile's shared memory is reused by the next unit
+      const uint32_t k_tiles = uint32_t(CeilDiv(k, quantize::kTile)), mb = uint32_t(lu) / k_tiles;
+      const int64_t k0 = int64_t(uint32_t(lu) - mb * k_tiles) * quantize::kTile;
+      if constexpr (TilesPerUnit<kRow, kCol>() > 1) {  // tiles [mt0, mt1) of the group, uniform over the block
+        const int64_t mt0 = int64_t(mb) * TilesPerUnit<kRow, kCol>(), m_tiles = CeilDiv(m, quantize::kTile);
+        const int64_t mt1 = mt0 + TilesPerUnit<kRow, kCol>() < m_tiles ? mt0 + TilesPerUnit<kRow, kCol>() : m_tiles;
+        quantize::QuantizeTilesPrefetched<In, kRow, kCol, kPlain, false>(q, 0, mt0, mt1, k0);  // ends with a barrier
+      } else {
+        quantize::QuantizeTile<In, kRow, kCol, kPlain>(q, 0, mb, k0, enc_row, enc_col);
+        __syncthreads();  // the tile's shared memory is reused by the next unit
+      }
     } else {
       const int64_t b = lu * kThreads + threadIdx.x;
       if constexpr (kRow == kNvfp4) GenericNvfp4<In>(a, t, g, b, false, row_opts, a.row_data, a.row_scale);

@@ -162,6 +162,39 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
   }
 }
 
+// MXFP8 kernels (no NVFP4 side): tiles [mt0, mt1) of the 64 columns from k0 of x[p], each thread loading the next
+// tile's row segment before it works on the current one, so its bytes are in flight during the current tile's
+// barriers and encodes (whole vector segments only; QuantizeTile loads any other itself). Not in NVFP4 kernels: the
+// held segment pushed them from 62 to 117 registers. The thread's segment of tile mt starts at element
+// flat = (p * M + 64 mt + lr) * K + k of x (and of the rowwise outputs); it and the rows left below it advance by one
+// tile per step instead of being recomputed. mt0 / mt1 are uniform over the block (every barrier is reached by all
+// threads); shared by QuantizeKernel and the grouped kernel.
+template <typename In, int kRow, int kCol, bool kPlain, bool kExact>
+__device__ __forceinline__ void QuantizeTilesPrefetched(const Args& a, int64_t p, int64_t mt0, int64_t mt1,
+                                                        int64_t k0) {
+  const In* x = static_cast<const In*>(a.x);
+  const int lr = int(threadIdx.x >> 2);
+  const int64_t k = k0 + (threadIdx.x & 3) * 16, tile_elems = int64_t(kTile) * a.K;
+  const bool k_ok = a.vector_loads && k + 16 <= a.K, k_in = k < a.K;
+  int64_t flat = (p * a.M + mt0 * kTile + lr) * a.K + k, rows_left = a.M - (mt0 * kTile + lr);
+  RawSegment<In> next{};
+  bool have = mt0 < mt1 && k_ok && rows_left > 0;
+  if (have) LoadRaw<In>(x + flat, next);
+  for (int64_t mt = mt0; mt < mt1; ++mt) {
+    const RawSegment<In> cur = next;
+    const bool cur_ok = have;
+    if (mt + 1 < mt1) {
+      have = k_ok && rows_left > kTile;  // the next tile's row of this thread exists
+      if (have) LoadRaw<In>(x + flat + tile_elems, next);
+    }
+    QuantizeTile<In, kRow, kCol, kPlain, kExact, true>(a, p, mt, k0, 1.0f, 1.0f, nullptr, nullptr, cur_ok, cur, flat,
+                                                       k_in && rows_left > 0);
+    flat += tile_elems;
+    rows_left -= kTile;
+    __syncthreads();  // shared memory is reused by the next tile
+  }
+}
+
 // Thread block (blockIdx.x, blockIdx.y, p) walks tiles_per_cta tiles down the rows, so that the per-thread setup, the
 // tensor encode scales and their multiplier tables are computed once per block.
 // No minimum-blocks bound: __launch_bounds__(256, 4) measured slower for MXFP8 (rowwise 68.3 instead of 59.4 us at
@@ -184,32 +217,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
   const int64_t mt0 = int64_t(blockIdx.y) * a.tiles_per_cta;
   const int64_t mt1 = mt0 + a.tiles_per_cta < m_tiles ? mt0 + a.tiles_per_cta : m_tiles;
   if constexpr (kRow != kNvfp4 && kCol != kNvfp4) {
-    // MXFP8 kernels load the next tile's row segment before they work on the current one, so its bytes are in flight
-    // during the current tile's barriers and encodes (whole vector segments only; QuantizeTile loads any other
-    // itself). Not in NVFP4 kernels: the held segment pushed them from 62 to 117 registers.
-    // The thread's segment of tile mt starts at element flat = (p * M + 64 mt + lr) * K + k of x (and of the rowwise
-    // outputs); it and the rows left below it advance by one tile per step instead of being recomputed.
-    const In* x = static_cast<const In*>(a.x);
-    const int lr = int(threadIdx.x >> 2);
-    const int64_t k = k0 + (threadIdx.x & 3) * 16, tile_elems = int64_t(kTile) * a.K;
-    const bool k_ok = a.vector_loads && k + 16 <= a.K, k_in = k < a.K;
-    int64_t flat = (p * a.M + mt0 * kTile + lr) * a.K + k, rows_left = a.M - (mt0 * kTile + lr);
-    RawSegment<In> next{};
-    bool have = mt0 < mt1 && k_ok && rows_left > 0;
-    if (have) LoadRaw<In>(x + flat, next);
-    for (int64_t mt = mt0; mt < mt1; ++mt) {  // uniform trip count: the barriers below are reached by all threads
-      const RawSegment<In> cur = next;
-      const bool cur_ok = have;
-      if (mt + 1 < mt1) {
-        have = k_ok && rows_left > kTile;  // the next tile's row of this thread exists
-        if (have) LoadRaw<In>(x + flat + tile_elems, next);
-      }
-      QuantizeTile<In, kRow, kCol, kPlain, kExact, true>(a, p, mt, k0, enc_row, enc_col, nullptr, nullptr, cur_ok,
-                                                         cur, flat, k_in && rows_left > 0);
-      flat += tile_elems;
-      rows_left -= kTile;
-      __syncthreads();  // shared memory is reused by the next tile
-    }
+    QuantizeTilesPrefetched<In, kRow, kCol, kPlain, kExact>(a, p, mt0, mt1, k0);
   } else {
     for (int64_t mt = mt0; mt < mt1; ++mt) {  // uniform trip count: the barriers below are reached by all threads
       QuantizeTile<In, kRow, kCol, kPlain, kExact>(a, p, mt, k0, enc_row, enc_col, row_tab ? tab[0] : nullptr,
