@@ -31,10 +31,10 @@ def bits(x) -> jnp.ndarray:
 def widen_bits(x) -> jnp.ndarray:
     """uint32 fp32 bit pattern of a bfloat16 / float16 / float32 array, widened exactly with integer operations.
 
-    XLA:CPU's bfloat16 -> float32 convert flushes bfloat16 subnormals to signed zero inside some fusions (seen in the
-    grouped quantize's gather on jax 0.11/0.12), while NUMERICS.md and the kernels keep them; bfloat16 is the upper
-    half of a float32 and float16 subnormals are fp32 normals, so both widen exactly by bit manipulation.
-    Other dtypes go through `astype(float32)`.
+    NUMERICS.md and the kernels keep subnormals, while XLA:CPU has been seen to drop bfloat16 subnormals (its
+    bfloat16 gather in the grouped reference, jax 0.11.2 / 0.12; see `grouped._take`). The widening itself is done
+    without float operations so that it cannot depend on the platform's denormal mode either: bfloat16 is the upper
+    half of a float32, and float16 subnormals are fp32 normals. Other dtypes go through `astype(float32)`.
     """
     x = jnp.asarray(x)
     if x.dtype == jnp.bfloat16:

@@ -282,7 +282,7 @@ def _take(src, idx, limit):
     """src[idx] for 0 <= idx < limit, else 0 (src extended by one zero; nothing out of bounds).
 
     Floating-point sources are gathered as their unsigned-integer bit patterns: XLA:CPU's gather of bfloat16
-    (jax 0.12) returned +0 for positive subnormals, which NUMERICS.md keeps.
+    (jax 0.11.2 and 0.12) returned +0 for positive subnormals, which NUMERICS.md keeps.
     """
     src = jnp.asarray(src)
     if jnp.issubdtype(src.dtype, jnp.floating):
