@@ -1,4 +1,4 @@
-// The SM count of the current device, for sizing persistent grids (cpp/amax/, cpp/grouped/).
+// The SM count of the current device and persistent grid sizes (cpp/amax/, cpp/grouped/, cpp/dequantize/).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -25,6 +25,19 @@ inline cudaError_t NumSms(int* num_sms) {
   err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess && cacheable) cache[device].store(*num_sms, std::memory_order_relaxed);
   return err;
+}
+
+// Persistent grid of `kernel` launched with `threads` threads and `smem_bytes` dynamic shared memory: as many blocks
+// as are resident at once (host-only queries: valid during CUDA-graph capture).
+template <typename Kernel>
+cudaError_t PersistentGrid(Kernel kernel, int threads, size_t smem_bytes, unsigned* grid) {
+  int sms = 0, per_sm = 0;
+  cudaError_t err = NumSms(&sms);
+  if (err != cudaSuccess) return err;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes);
+  if (err != cudaSuccess) return err;
+  *grid = unsigned((sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1));
+  return cudaSuccess;
 }
 
 }  // namespace jax_fp4

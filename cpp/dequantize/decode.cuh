@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace jax_fp4 {
 namespace dequantize {
@@ -74,6 +75,40 @@ __device__ __forceinline__ uint32_t OutBits<__nv_bfloat16>(float v) {
 template <>
 __device__ __forceinline__ uint32_t OutBits<__half>(float v) {
   return v != v ? 0x7E00u : uint32_t(__half_as_ushort(__float2half_rn(v)));
+}
+
+// Packs out-dtype bits of v[0..16/sizeof(Out)) into one 16-byte vector.
+template <typename Out, int kV>
+__device__ __forceinline__ uint4 PackRun(const float (&v)[kV]) {
+  if constexpr (sizeof(Out) == 4) {
+    return make_uint4(OutBits<Out>(v[0]), OutBits<Out>(v[1]), OutBits<Out>(v[2]), OutBits<Out>(v[3]));
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = OutBits<Out>(v[2 * i]) | (OutBits<Out>(v[2 * i + 1]) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// PackRun for values known not to be NaN: paired conversions (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32), same bits.
+template <typename Out, int kV>
+__device__ __forceinline__ uint4 PackRunFinite(const float (&v)[kV]) {
+  if constexpr (sizeof(Out) == 4) {
+    return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (std::is_same<Out, __half>::value) {
+        const __half2 h = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
+        w[i] = *reinterpret_cast<const uint32_t*>(&h);
+      } else {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+        w[i] = *reinterpret_cast<const uint32_t*>(&h);
+      }
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
 }
 
 }  // namespace dequantize

@@ -6,9 +6,9 @@
 //  * RowsKernel (every case whose output keeps the stored layout): thread g decodes segment g of the flat
 //    [P * R, ceil(C / 16)] segment grid, so a warp reads and writes contiguous memory (16-byte vector accesses where
 //    rows are 16-byte aligned). Only MXFP8 columnwise data may have C % 16 != 0: its last segment per row is partial.
-//  * TransposeKernel (NVFP4 whose block axis is not x's last axis: the output x[p] is the stored [R, C] transposed):
-//    a 256-thread block owns a 64x64 tile, decodes it like RowsKernel and writes the transpose through shared memory
-//    so the output rows stay coalesced.
+//  * FlatKernel (below): the aligned cases whose runs never cross a block, as one flat array of 16-byte runs.
+//  * TransposeKernel (transpose.cuh; NVFP4 whose block axis is not x's last axis: the output x[p] is the stored
+//    [R, C] transposed): 128x64 tiles written out through shared memory so the output rows stay coalesced.
 // Scales are read compact or straight from the GEMM-swizzled layout. The tensor amax is one float or one per p (vmap
 // folds its batch into P). Every output element is written once; no atomics, no scratch (CUDA-graph safe).
 #pragma once
@@ -23,53 +23,13 @@
 
 #include "common/convert.cuh"
 #include "common/scale_layout.cuh"
+#include "dequantize/args.cuh"
 #include "dequantize/decode.cuh"
+#include "dequantize/mx_columnwise.cuh"
+#include "dequantize/transpose.cuh"
 
 namespace jax_fp4 {
 namespace dequantize {
-
-// kBlockOnly (set by the handler when an NVFP4 1D/2D tensor comes without its amax): values * block scale only,
-// the exact GEMM-emulation operand (the tensor scale is applied after the product).
-enum Option : int {
-  kRht = 2, k1x64 = 8, kSwizzled = 1 << 16, kTransposeOut = 1 << 17, kMxColumnwise = 1 << 18, kBlockOnly = 1 << 19
-};
-
-constexpr int kSeg = 16;
-constexpr int kTile = 64;
-constexpr int kThreads = 256;
-
-struct Args {
-  const uint8_t* data;       // [P, R, C] codes (float4: packed, even index in the low nibble)
-  const uint8_t* scale;      // compact or swizzled block scales
-  const float* amax;         // NVFP4 1D/2D/RHT: [1] or [P]
-  const float* window_amax;  // NVFP4 1x64: [P, R, C/64]
-  void* out;
-  int64_t P, R, C;
-  int64_t segs_per_row;       // ceil(C / 16)
-  int64_t scale_cols_padded;  // columns of the swizzled scale matrix
-  int flags;
-  bool amax_per_p;   // amax holds P values
-  bool vector_data;  // C % 16 == 0 and aligned pointers: data (and compact MX columnwise scales) as vectors
-  bool vector_out;   // 16-element output runs start 16-byte aligned
-  bool small;        // every flat segment index fits in 32 bits
-};
-
-// Inverse RHT of one 16-chunk in fp32: flush, butterfly (flushed), * 0.25 (flushed), then the signs.
-__device__ __forceinline__ void RhtInverse16(float (&v)[16]) {
-  constexpr uint32_t kSignMask = 0xD7E8u;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) v[i] = cvt::FlushSubnormal(v[i]);
-  cvt::ButterflyStage<1>(v);
-  cvt::ButterflyStage<2>(v);
-  cvt::ButterflyStage<4>(v);
-  cvt::ButterflyStage<8>(v);
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const float f = cvt::FlushSubnormal(__fmul_rn(v[i], 0.25f));
-    v[i] = ((kSignMask >> i) & 1u) ? __uint_as_float(__float_as_uint(f) ^ 0x80000000u) : f;
-  }
-}
-
 
 // Writes v[0..valid) to dst: 16-byte stores when `vector` (dst 16-byte aligned) and the run is whole.
 template <typename Out>
@@ -98,10 +58,6 @@ __device__ __forceinline__ void Store16(Out* dst, const float (&v)[16], int vali
   for (int i = 0; i < 16; ++i) {
     if (i < valid) d[i] = Bits(OutBits<Out>(v[i]));
   }
-}
-
-__device__ __forceinline__ int64_t ScaleIndex(const Args& a, int64_t row, int64_t col, int64_t cols) {
-  return (a.flags & kSwizzled) ? layout::SwizzledIndex(row, col, a.scale_cols_padded) : row * cols + col;
 }
 
 // Decodes the segment of flat row `row` (= p * R + r) starting at column c (valid elements: min(16, C - c)).
@@ -222,40 +178,6 @@ __device__ __forceinline__ uint2 LoadRun(const uint8_t* p) {
   return make_uint2(__ldg(reinterpret_cast<const uint16_t*>(p)), 0u);
 }
 
-// Packs out-dtype bits of v[0..16/sizeof(Out)) into one 16-byte vector.
-template <typename Out, int kV>
-__device__ __forceinline__ uint4 PackRun(const float (&v)[kV]) {
-  if constexpr (sizeof(Out) == 4) {
-    return make_uint4(OutBits<Out>(v[0]), OutBits<Out>(v[1]), OutBits<Out>(v[2]), OutBits<Out>(v[3]));
-  } else {
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) w[i] = OutBits<Out>(v[2 * i]) | (OutBits<Out>(v[2 * i + 1]) << 16);
-    return make_uint4(w[0], w[1], w[2], w[3]);
-  }
-}
-
-// PackRun for values known not to be NaN: paired conversions (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32), same bits.
-template <typename Out, int kV>
-__device__ __forceinline__ uint4 PackRunFinite(const float (&v)[kV]) {
-  if constexpr (sizeof(Out) == 4) {
-    return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
-  } else {
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if constexpr (std::is_same<Out, __half>::value) {
-        const __half2 h = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
-        w[i] = *reinterpret_cast<const uint32_t*>(&h);
-      } else {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-        w[i] = *reinterpret_cast<const uint32_t*>(&h);
-      }
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
-  }
-}
-
 // FlatKernel: NVFP4 without RHT whose output keeps the stored layout (1D, 2D, 1x64), MXFP8 rowwise and MXFP8
 // columnwise with compact scales, with 16-byte aligned data and output. As C % 16 == 0 (NVFP4, MXFP8 columnwise
 // here) / C % 32 == 0 (MXFP8 rowwise), a run of kV = 16 / sizeof(Out) elements never crosses a block or a row, so
@@ -312,7 +234,17 @@ __global__ void __launch_bounds__(kThreads) FlatKernel(const Args a, Idx num_run
     if constexpr (kKind == kNvfp4) {
       E2M1xN<kV>(raw[j].x, v);
 #pragma unroll
-      for (int i = 0; i < kV; ++i) v[i] = kLocal ? __fdiv_rn(__fmul_rn(v[i], mult[j]), div[j]) : __fmul_rn(v[i], mult[j]);
+      for (int i = 0; i < kV; ++i) v[i] = __fmul_rn(v[i], mult[j]);
+      if constexpr (kLocal) {  // / S_enc of the window: Markstein's sequence where it is exact, else a division
+        if (isfinite(mult[j]) && WindowDivisor::Safe(div[j])) {
+          const WindowDivisor d = WindowDivisor::Of(div[j]);
+#pragma unroll
+          for (int i = 0; i < kV; ++i) v[i] = d.Div(v[i]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < kV; ++i) v[i] = __fdiv_rn(v[i], div[j]);
+        }
+      }
     } else {
 #pragma unroll
       for (int i = 0; i < kV; ++i) {
@@ -326,78 +258,10 @@ __global__ void __launch_bounds__(kThreads) FlatKernel(const Args a, Idx num_run
         v[i] = __fmul_rn(Fp8Value<kKind>((word >> (8 * (i & 3))) & 0xFFu), s);
       }
     }
-    // A finite multiplier with finite codes (NVFP4 has no NaN codes) gives no NaN: pack without the NaN fix-up.
-    const bool fast = kKind == kNvfp4 && !kLocal && isfinite(mult[j]);
+    // A finite multiplier with finite codes (NVFP4 has no NaN codes; 1x64: a finite s_b over a positive finite S_enc)
+    // gives no NaN: pack without the NaN fix-up.
+    const bool fast = kKind == kNvfp4 && isfinite(mult[j]);
     reinterpret_cast<uint4*>(a.out)[run] = fast ? PackRunFinite<Out, kV>(v) : PackRun<Out, kV>(v);
-  }
-}
-
-// NVFP4 with kTransposeOut: out[p] = stored[p].T, [C, R]. A 256-thread block owns a tile of kTR stored rows x kTC
-// stored columns. Thread t decodes segment t % 4 (columns 16 * (t % 4) ...) of the stored rows 2j and 2j + 1,
-// j = t / 4, so a warp reads 8 whole 32-byte row pieces per load (coalesced) and writes each (row 2j, 2j + 1) pair of
-// output bits as one shared-memory word (16-bit outputs; 8 bytes for float32) at pair slot j ^ (8 * (c / 16)) of tile
-// row c: the XOR puts the four segments' 8-pair runs in different banks and keeps 16-byte groups contiguous. The
-// block then writes the kTC output rows of kTR elements as 16-byte runs, consecutive threads on consecutive runs.
-// Grid: P * ceil(R / kTR) * ceil(C / kTC) blocks.
-constexpr int kTR = 128, kTC = 64;
-
-template <typename Out>
-__global__ void __launch_bounds__(kThreads) TransposeKernel(const Args a) {
-  using Bits = typename std::conditional<sizeof(Out) == 4, uint32_t, uint16_t>::type;
-  using Pair = typename std::conditional<sizeof(Out) == 4, uint2, uint32_t>::type;  // output bits of rows 2j, 2j + 1
-  constexpr int kV = 16 / int(sizeof(Out));   // elements per 16-byte run
-  constexpr int kPairs = kTR / 2;             // pair slots per tile row
-  __shared__ __align__(16) Pair tile[kTC * kPairs];
-  const int t = threadIdx.x;
-  const int64_t col_tiles = (a.C + kTC - 1) / kTC, row_tiles = (a.R + kTR - 1) / kTR;
-  int64_t blk = blockIdx.x;
-  const int64_t ct = blk % col_tiles;
-  blk /= col_tiles;
-  const int64_t rt = blk % row_tiles, p = blk / row_tiles;
-  const int64_t r0 = rt * kTR, c0 = ct * kTC;
-  const int j = t >> 2, cg = t & 3;
-  float v[2][16];
-#pragma unroll
-  for (int s = 0; s < 2; ++s) {
-    const int64_t r = r0 + 2 * j + s, c = c0 + cg * kSeg;
-    if (r < a.R && c < a.C) {  // C % 16 == 0: segments are whole
-      DecodeSegment<kNvfp4>(a, p * a.R + r, c, kSeg, v[s]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) v[s][i] = 0.0f;
-    }
-  }
-  const int slot = j ^ (cg << 3);  // c / 16 == cg for the 16 columns of this segment
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    Pair w;
-    if constexpr (sizeof(Out) == 4) {
-      w = make_uint2(OutBits<Out>(v[0][i]), OutBits<Out>(v[1][i]));
-    } else {
-      w = OutBits<Out>(v[0][i]) | (OutBits<Out>(v[1][i]) << 16);
-    }
-    tile[(cg * kSeg + i) * kPairs + slot] = w;
-  }
-  __syncthreads();
-  constexpr int kRunsPerRow = kTR / kV, kRuns = kTC * kRunsPerRow, kPairsPerRun = kV / 2;
-  Bits* out = static_cast<Bits*>(a.out);
-#pragma unroll
-  for (int k = t; k < kRuns; k += kThreads) {
-    const int orl = k / kRunsPerRow, run = k - orl * kRunsPerRow, ocl = run * kV;
-    const int64_t orow = c0 + orl, ocol = r0 + ocl;  // output row (a stored column) and first output column
-    if (orow >= a.C || ocol >= a.R) continue;
-    const Pair* src = tile + orl * kPairs + ((run * kPairsPerRun) ^ ((orl >> 4) << 3));
-    Bits* dst = out + (p * a.C + orow) * a.R + ocol;
-    if (a.vector_out && ocol + kV <= a.R) {
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-    } else {
-      const Bits* e = reinterpret_cast<const Bits*>(src);
-      const int64_t valid = a.R - ocol;
-#pragma unroll
-      for (int i = 0; i < kV; ++i) {
-        if (i < valid) dst[i] = e[i];
-      }
-    }
   }
 }
 
@@ -414,13 +278,14 @@ cudaError_t Launch(Args a, cudaStream_t stream) {
                   (!mx_col_compact || reinterpret_cast<uintptr_t>(a.scale) % 16 == 0);
   if (kKind == kNvfp4 && (a.flags & kTransposeOut)) {
     a.vector_out = (a.R * int64_t(sizeof(Out))) % 16 == 0 && reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
-    const int64_t blocks = a.P * ((a.R + kTR - 1) / kTR) * ((a.C + kTC - 1) / kTC);
-    if (blocks >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
-    TransposeKernel<Out><<<unsigned(blocks), kThreads, 0, stream>>>(a);
-    return cudaGetLastError();
+    return LaunchTranspose<Out>(a, stream);
   }
   a.vector_out = (a.C * int64_t(sizeof(Out))) % 16 == 0 && reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
   const bool mx_col = kKind != kNvfp4 && (a.flags & kMxColumnwise);
+  if (mx_col && (a.flags & kSwizzled) && a.vector_data && a.vector_out &&
+      reinterpret_cast<uintptr_t>(a.data) % 16 == 0) {
+    return LaunchMxColumnwiseSwizzled<Out, kKind>(a, stream);
+  }
   const bool flat = (kKind == kNvfp4 ? !(a.flags & kRht) : (!mx_col || !(a.flags & kSwizzled))) && a.vector_data &&
                     a.vector_out && reinterpret_cast<uintptr_t>(a.data) % 16 == 0;
   if (flat) {

@@ -174,13 +174,7 @@ __device__ __forceinline__ uint32_t BlockMaxBits(uint32_t v) {
 // Persistent grid: as many blocks as are resident at once (every block then grid-strides over the units).
 template <typename Kernel>
 cudaError_t PersistentGrid(Kernel kernel, size_t smem_bytes, unsigned* grid) {
-  int sms = 0, per_sm = 0;
-  cudaError_t err = NumSms(&sms);
-  if (err != cudaSuccess) return err;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem_bytes);
-  if (err != cudaSuccess) return err;
-  *grid = unsigned((sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1));
-  return cudaSuccess;
+  return jax_fp4::PersistentGrid(kernel, kThreads, smem_bytes, grid);
 }
 
 }  // namespace grouped

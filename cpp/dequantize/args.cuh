@@ -1,0 +1,100 @@
+// The dequantize kernels' launch arguments and the pieces every dequantize kernel shares (NUMERICS.md sections 1-3):
+// option bits, tile constants, the scale index (compact or GEMM-swizzled) and the inverse RHT of one 16-chunk.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/convert.cuh"
+#include "common/scale_layout.cuh"
+
+namespace jax_fp4 {
+namespace dequantize {
+
+// kBlockOnly (set by the handler when an NVFP4 1D/2D tensor comes without its amax): values * block scale only,
+// the exact GEMM-emulation operand (the tensor scale is applied after the product).
+enum Option : int {
+  kRht = 2, k1x64 = 8, kSwizzled = 1 << 16, kTransposeOut = 1 << 17, kMxColumnwise = 1 << 18, kBlockOnly = 1 << 19
+};
+
+constexpr int kSeg = 16;
+constexpr int kTile = 64;
+constexpr int kThreads = 256;
+
+struct Args {
+  const uint8_t* data;       // [P, R, C] codes (float4: packed, even index in the low nibble)
+  const uint8_t* scale;      // compact or swizzled block scales
+  const float* amax;         // NVFP4 1D/2D/RHT: [1] or [P]
+  const float* window_amax;  // NVFP4 1x64: [P, R, C/64]
+  void* out;
+  int64_t P, R, C;
+  int64_t segs_per_row;       // ceil(C / 16)
+  int64_t scale_cols_padded;  // columns of the swizzled scale matrix
+  int flags;
+  bool amax_per_p;   // amax holds P values
+  bool vector_data;  // C % 16 == 0 and aligned pointers: data (and compact MX columnwise scales) as vectors
+  bool vector_out;   // 16-element output runs start 16-byte aligned
+  bool small;        // every flat segment index fits in 32 bits
+};
+
+__device__ __forceinline__ int64_t ScaleIndex(const Args& a, int64_t row, int64_t col, int64_t cols) {
+  return (a.flags & kSwizzled) ? layout::SwizzledIndex(row, col, a.scale_cols_padded) : row * cols + col;
+}
+
+// fp32 add / subtract with subnormal inputs and results flushed to sign-preserving zero (add.rn.ftz.f32): equal to
+// FlushSubnormal(FlushSubnormal(a) + FlushSubnormal(b)), as a sum of floats that is below FLT_MIN is exact (no
+// rounding happens in the subnormal range, so flushing before or after rounding agrees).
+__device__ __forceinline__ float AddFtz(float a, float b) {
+  float r;
+  asm("add.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ float SubFtz(float a, float b) {
+  float r;
+  asm("sub.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// Inverse RHT of one 16-chunk in fp32 (NUMERICS.md section 2): flush, butterfly (flushed), * 0.25 (flushed), then
+// the signs. The flushes ride on the ftz adds (the first stage flushes its inputs); the last step multiplies by
+// -0.25 where the sign flips (RN and the flush are sign-symmetric) and flushes with an ftz add of -0 (x + -0 == x,
+// -0 + -0 == -0). The product is not taken with mul.ftz: an exact product just below FLT_MIN that rounds up to
+// FLT_MIN must stay FLT_MIN, which a flush decided before rounding would not guarantee.
+__device__ __forceinline__ void RhtInverse16(float (&v)[16]) {
+  constexpr uint32_t kSignMask = 0xD7E8u;
+#pragma unroll
+  for (int h = 1; h < 16; h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      if ((i & h) == 0) {
+        const float x = v[i], y = v[i + h];
+        v[i] = AddFtz(x, y);
+        v[i + h] = SubFtz(x, y);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = AddFtz(__fmul_rn(v[i], ((kSignMask >> i) & 1u) ? -0.25f : 0.25f), -0.0f);
+}
+
+
+// NVFP4 1x64: x = value(q) * s_b (exact) divided by the window's S_enc, correctly rounded, without a division per
+// element. With rcp = RN(1 / enc) (one division per window), q0 = RN(x * rcp), rem = x - q0 * enc (exact in
+// one fma) and q1 = RN(q0 + rem * rcp) is RN(x / enc) (Markstein's theorem: rcp within half an ulp of 1 / enc, q0
+// within one ulp of x / enc) as long as nothing under- or overflows. With |x| in [2^-10, 2688] (or 0), enc in
+// [2^-114, 2^90] keeps q0, rem and rem * rcp normal (`Safe`); other windows and NaN block scales take __fdiv_rn.
+// copysign gives x / enc's sign to a zero quotient (the fma chain would return +0 for x = -0). Checked against
+// __fdiv_rn on the host for every block-value mantissa x every divisor mantissa (tools/kernel_check/markstein_check.cc).
+struct WindowDivisor {
+  float enc, rcp;
+  __device__ __forceinline__ static bool Safe(float enc) { return enc >= 0x1p-114f && enc <= 0x1p90f; }
+  __device__ __forceinline__ static WindowDivisor Of(float e) { return WindowDivisor{e, __fdiv_rn(1.0f, e)}; }
+  __device__ __forceinline__ float Div(float x) const {
+    const float q0 = __fmul_rn(x, rcp);
+    return copysignf(__fmaf_rn(__fmaf_rn(-q0, enc, x), rcp, q0), x);
+  }
+};
+
+}  // namespace dequantize
+}  // namespace jax_fp4

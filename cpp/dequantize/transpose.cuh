@@ -1,0 +1,269 @@
+// NVFP4 dequantize with kTransposeOut (the block axis is not x's last axis): out[p] = stored[p].T, [C, R], for the
+// 1D / 2D, RHT and 1x64 variants, to f32 / bf16 / f16, compact or swizzled scales (NUMERICS.md sections 1-3).
+//
+// A 256-thread block owns a tile of kTR = 128 stored rows x kTC = 64 stored columns. Thread t decodes segment
+// cg = t % 4 (columns 16 * cg ...) of the stored rows 2j and 2j + 1, j = t / 4: a warp's 8-byte loads cover 8 whole
+// 32-byte row pieces. Both rows' values at one column form one output pair (two 16-bit outputs packed by one
+// cvt.rn.{bf16,f16}x2.f32, or two floats), stored to shared memory at pair slot j ^ (8 * cg) of tile row
+// 16 * cg + i: the XOR spreads the four segments over the banks and keeps 16-byte groups contiguous. The block then
+// writes the kTC output rows of kTR elements as 16-byte runs, consecutive threads on consecutive runs.
+// The decode is specialised per variant (kTransposePlain / kTransposeRht / kTransposeLocal), so the common 1D case
+// carries no RHT or division code. Values that cannot produce NaN (finite multiplier; for RHT |multiplier| <= 2^100,
+// so 16-term sums stay finite) skip the canonical-NaN fix-up of OutBits.
+// Persistent grid (the blocks resident at once); each block walks a contiguous range of tiles and loads the next
+// tile's codes and scales before decoding the current one, so the loads overlap the decode, barrier and stores.
+// No atomics, no scratch.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "common/convert.cuh"
+#include "common/sm_count.h"
+#include "dequantize/args.cuh"
+#include "dequantize/decode.cuh"
+
+namespace jax_fp4 {
+namespace dequantize {
+
+constexpr int kTR = 128, kTC = 64;
+enum TransposeVariant : int { kTransposePlain = 0, kTransposeRht = 1, kTransposeLocal = 2 };
+
+template <typename Out>
+using PairOf = typename std::conditional<sizeof(Out) == 4, uint2, uint32_t>::type;  // one output pair's bits
+
+// Output bits of (lo, hi) as one pair; kFinite: neither is NaN (paired RNE conversion, no NaN fix-up).
+template <typename Out, bool kFinite>
+__device__ __forceinline__ PairOf<Out> PackPair(float lo, float hi) {
+  if constexpr (sizeof(Out) == 4) {
+    return kFinite ? make_uint2(__float_as_uint(lo), __float_as_uint(hi))
+                   : make_uint2(OutBits<float>(lo), OutBits<float>(hi));
+  } else if constexpr (!kFinite) {
+    return OutBits<Out>(lo) | (OutBits<Out>(hi) << 16);
+  } else if constexpr (std::is_same<Out, __half>::value) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+
+// One stored row's segment: its 16 codes and what turns a code value into the output value.
+struct SegmentScale {
+  uint2 codes = make_uint2(0u, 0u);
+  float mult = 0.0f;  // plain / RHT: s_b * amax / 2688 (or s_b alone); 1x64: s_b
+  float enc = 1.0f;   // 1x64: the window's S_enc
+};
+
+// What a thread loads for one tile (its two segments), issued one tile ahead of its use.
+struct RawSegments {
+  uint2 codes[2] = {make_uint2(0u, 0u), make_uint2(0u, 0u)};
+  uint32_t scale[2] = {0u, 0u};      // E4M3 codes (0 = +0 past the tensor: those rows decode as zeros)
+  float window[2] = {0.0f, 0.0f};    // 1x64: window amax
+};
+
+// Position of a tile: p, row tile, column tile (column tiles fastest), advanced by the grid size in mixed radix.
+struct TilePos {
+  int64_t p, rt, ct;
+  __device__ __forceinline__ static TilePos Of(int64_t k, int64_t row_tiles, int64_t col_tiles) {
+    return TilePos{k / (row_tiles * col_tiles), (k / col_tiles) % row_tiles, k % col_tiles};
+  }
+  __device__ __forceinline__ void Advance(const TilePos& by, int64_t row_tiles, int64_t col_tiles) {
+    ct += by.ct;
+    const bool c1 = ct >= col_tiles;
+    if (c1) ct -= col_tiles;
+    rt += by.rt + c1;
+    const bool c2 = rt >= row_tiles;
+    if (c2) rt -= row_tiles;
+    p += by.p + c2;
+  }
+};
+
+template <int kVar>
+__device__ __forceinline__ RawSegments LoadRaw(const Args& a, const TilePos& pos, int j, int cg) {
+  RawSegments raw;
+  const int64_t c = pos.ct * kTC + cg * kSeg;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t rr = pos.rt * kTR + 2 * j + r;
+    if (rr >= a.R || c >= a.C) continue;  // C % 16 == 0: segments are whole
+    const int64_t row = pos.p * a.R + rr;
+    const uint8_t* src = a.data + (row * a.C + c) / 2;
+    if (a.vector_data) {
+      raw.codes[r] = __ldg(reinterpret_cast<const uint2*>(src));
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        (i < 4 ? raw.codes[r].x : raw.codes[r].y) |= uint32_t(__ldg(src + i)) << (8 * (i & 3));
+      }
+    }
+    raw.scale[r] = __ldg(a.scale + ScaleIndex(a, row, c >> 4, a.C >> 4));
+    if constexpr (kVar == kTransposeLocal) raw.window[r] = __ldg(a.window_amax + row * (a.C >> 6) + (c >> 6));
+  }
+  return raw;
+}
+
+template <int kVar>
+__device__ __forceinline__ SegmentScale ScaleOf(const Args& a, const RawSegments& raw, int r, float amax) {
+  SegmentScale s;
+  s.codes = raw.codes[r];
+  const float sb = cvt::E4M3Value(raw.scale[r]);
+  if constexpr (kVar == kTransposeLocal) {
+    s.mult = sb;
+    s.enc = cvt::WindowEncodeScale(raw.window[r]);
+  } else {
+    s.mult = (a.flags & kBlockOnly) ? sb : __fmul_rn(__fmul_rn(sb, amax), cvt::kInv2688());
+  }
+  return s;
+}
+
+template <int kVar>
+__device__ __forceinline__ bool FastSegment(const SegmentScale& s) {
+  if constexpr (kVar == kTransposeLocal) return isfinite(s.mult) && WindowDivisor::Safe(s.enc);
+  if constexpr (kVar == kTransposeRht) return fabsf(s.mult) <= 0x1p100f;
+  return isfinite(s.mult);
+}
+
+// Plain / 1x64: decode four codes at a time of both rows and store the 16 pairs (dst: stride kTR / 2 pairs).
+template <typename Out, int kVar, bool kFast>
+__device__ __forceinline__ void StorePairs(const SegmentScale (&s)[2], PairOf<Out>* dst) {
+  [[maybe_unused]] const WindowDivisor div0 = WindowDivisor::Of(kVar == kTransposeLocal && kFast ? s[0].enc : 1.0f);
+  [[maybe_unused]] const WindowDivisor div1 = WindowDivisor::Of(kVar == kTransposeLocal && kFast ? s[1].enc : 1.0f);
+#pragma unroll
+  for (int h = 0; h < 4; ++h) {
+    float q[2][4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) E2M1xN<4>((h < 2 ? s[r].codes.x : s[r].codes.y) >> (16 * (h & 1)), q[r]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float v0 = __fmul_rn(q[0][i], s[0].mult), v1 = __fmul_rn(q[1][i], s[1].mult);
+      if constexpr (kVar == kTransposeLocal) {
+        if constexpr (kFast) {
+          v0 = div0.Div(v0), v1 = div1.Div(v1);
+        } else {
+          v0 = __fdiv_rn(v0, s[0].enc), v1 = __fdiv_rn(v1, s[1].enc);
+        }
+      }
+      dst[(4 * h + i) * (kTR / 2)] = PackPair<Out, kFast>(v0, v1);
+    }
+  }
+}
+
+// RHT: both rows' 16 values through the inverse transform, then the 16 pairs.
+template <typename Out>
+__device__ __forceinline__ void StoreRhtPairs(const SegmentScale (&s)[2], bool fast, PairOf<Out>* dst) {
+  float v[2][16];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float q[2][8];
+    E2M1xN<8>(s[r].codes.x, q[0]);
+    E2M1xN<8>(s[r].codes.y, q[1]);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[r][i] = __fmul_rn(q[i >> 3][i & 7], s[r].mult);
+    RhtInverse16(v[r]);
+  }
+  if (fast) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) dst[i * (kTR / 2)] = PackPair<Out, true>(v[0][i], v[1][i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) dst[i * (kTR / 2)] = PackPair<Out, false>(v[0][i], v[1][i]);
+  }
+}
+
+// Block b takes the tiles b, b + grid, b + 2 * grid, ... of the flat (p, row tile, column tile) order, so the blocks
+// at work at any moment cover consecutive tiles (whole stored rows: full DRAM pages), and loads each tile's codes
+// and scales while it decodes and writes out the previous one.
+template <typename Out, int kVar>
+__global__ void __launch_bounds__(kThreads, kVar == kTransposePlain ? 6 : 4)
+    TransposeKernel(const Args a, int64_t row_tiles, int64_t col_tiles) {
+  using Bits = typename std::conditional<sizeof(Out) == 4, uint32_t, uint16_t>::type;
+  using Pair = PairOf<Out>;
+  constexpr int kV = 16 / int(sizeof(Out));  // elements per 16-byte run
+  constexpr int kPairs = kTR / 2, kRunsPerRow = kTR / kV, kRowsPerPass = kThreads / kRunsPerRow;
+  constexpr int kPairsPerRun = kV / 2;
+  __shared__ __align__(16) Pair tile[kTC * kPairs];
+  const int t = threadIdx.x, j = t >> 2, cg = t & 3;
+  const int64_t R = a.R, C = a.C, tiles = a.P * row_tiles * col_tiles;
+  Pair* const mine = tile + cg * kSeg * kPairs + (j ^ (cg << 3));
+  const int orl0 = t / kRunsPerRow, run0 = t % kRunsPerRow;
+  const TilePos stride = TilePos::Of(gridDim.x, row_tiles, col_tiles);
+  TilePos pos = TilePos::Of(blockIdx.x, row_tiles, col_tiles);
+  RawSegments raw = LoadRaw<kVar>(a, pos, j, cg);
+  for (int64_t k = blockIdx.x; k < tiles; k += gridDim.x) {
+    TilePos next = pos;
+    next.Advance(stride, row_tiles, col_tiles);
+    RawSegments ahead;
+    if (k + gridDim.x < tiles) ahead = LoadRaw<kVar>(a, next, j, cg);
+    float amax = 0.0f;
+    if (kVar != kTransposeLocal && !(a.flags & kBlockOnly)) amax = __ldg(a.amax + (a.amax_per_p ? pos.p : 0));
+    const SegmentScale s[2] = {ScaleOf<kVar>(a, raw, 0, amax), ScaleOf<kVar>(a, raw, 1, amax)};
+    const bool fast = FastSegment<kVar>(s[0]) && FastSegment<kVar>(s[1]);
+    if constexpr (kVar == kTransposeRht) {
+      StoreRhtPairs<Out>(s, fast, mine);
+    } else if (fast) {
+      StorePairs<Out, kVar, true>(s, mine);
+    } else {
+      StorePairs<Out, kVar, false>(s, mine);
+    }
+    __syncthreads();
+    const int64_t r0 = pos.rt * kTR, c0 = pos.ct * kTC;
+    Bits* const out = static_cast<Bits*>(a.out) + (pos.p * C + c0) * R + r0;
+    if (a.vector_out && r0 + kTR <= R && c0 + kTC <= C) {  // whole tile: no bounds checks
+#pragma unroll
+      for (int pass = 0; pass < kTC / kRowsPerPass; ++pass) {
+        const int orl = orl0 + pass * kRowsPerPass;
+        const Pair* src = tile + orl * kPairs + ((run0 * kPairsPerRun) ^ ((orl >> 4) << 3));
+        *reinterpret_cast<uint4*>(out + orl * R + run0 * kV) = *reinterpret_cast<const uint4*>(src);
+      }
+    } else {
+      for (int q = t; q < kTC * kRunsPerRow; q += kThreads) {
+        const int orl = q / kRunsPerRow, run = q % kRunsPerRow, ocl = run * kV;
+        if (c0 + orl >= C || r0 + ocl >= R) continue;
+        const Pair* src = tile + orl * kPairs + ((run * kPairsPerRun) ^ ((orl >> 4) << 3));
+        Bits* dst = out + orl * R + ocl;
+        if (a.vector_out && r0 + ocl + kV <= R) {
+          *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+          const Bits* e = reinterpret_cast<const Bits*>(src);
+          const int64_t valid = R - (r0 + ocl);
+#pragma unroll
+          for (int i = 0; i < kV; ++i) {
+            if (i < valid) dst[i] = e[i];
+          }
+        }
+      }
+    }
+    __syncthreads();  // the tile is rewritten for the next position
+    raw = ahead;
+    pos = next;
+  }
+}
+
+template <typename Out, int kVar>
+cudaError_t LaunchTransposeVariant(const Args& a, cudaStream_t stream) {
+  const int64_t col_tiles = (a.C + kTC - 1) / kTC, row_tiles = (a.R + kTR - 1) / kTR;
+  const int64_t tiles = a.P * row_tiles * col_tiles;
+  unsigned grid = 0;
+  const cudaError_t err = PersistentGrid(TransposeKernel<Out, kVar>, kThreads, 0, &grid);
+  if (err != cudaSuccess) return err;
+  if (int64_t(grid) > tiles) grid = unsigned(tiles);
+  TransposeKernel<Out, kVar><<<grid, kThreads, 0, stream>>>(a, row_tiles, col_tiles);
+  return cudaGetLastError();
+}
+
+// Launches the variant of a.flags (a.vector_data / a.vector_out set by the caller). P * R * C > 0.
+template <typename Out>
+cudaError_t LaunchTranspose(const Args& a, cudaStream_t stream) {
+  if (a.flags & kRht) return LaunchTransposeVariant<Out, kTransposeRht>(a, stream);
+  if (a.flags & k1x64) return LaunchTransposeVariant<Out, kTransposeLocal>(a, stream);
+  return LaunchTransposeVariant<Out, kTransposePlain>(a, stream);
+}
+
+}  // namespace dequantize
+}  // namespace jax_fp4
