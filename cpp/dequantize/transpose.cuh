@@ -23,6 +23,7 @@
 #include <type_traits>
 
 #include "common/convert.cuh"
+#include "common/scale_layout.cuh"
 #include "common/sm_count.h"
 #include "dequantize/args.cuh"
 #include "dequantize/decode.cuh"
@@ -65,15 +66,17 @@ struct RawSegments {
   uint2 codes[2] = {make_uint2(0u, 0u), make_uint2(0u, 0u)};
   uint32_t scale[2] = {0u, 0u};      // E4M3 codes (0 = +0 past the tensor: those rows decode as zeros)
   float window[2] = {0.0f, 0.0f};    // 1x64: window amax
+  float amax = 0.0f;                 // plain / RHT with a tensor scale: the tensor amax of p
 };
 
 // Position of a tile: p, row tile, column tile (column tiles fastest), advanced by the grid size in mixed radix.
+// 32-bit: the launcher keeps the tile count below 2^31.
 struct TilePos {
-  int64_t p, rt, ct;
-  __device__ __forceinline__ static TilePos Of(int64_t k, int64_t row_tiles, int64_t col_tiles) {
+  int p, rt, ct;
+  __device__ __forceinline__ static TilePos Of(int k, int row_tiles, int col_tiles) {
     return TilePos{k / (row_tiles * col_tiles), (k / col_tiles) % row_tiles, k % col_tiles};
   }
-  __device__ __forceinline__ void Advance(const TilePos& by, int64_t row_tiles, int64_t col_tiles) {
+  __device__ __forceinline__ void Advance(const TilePos& by, int row_tiles, int col_tiles) {
     ct += by.ct;
     const bool c1 = ct >= col_tiles;
     if (c1) ct -= col_tiles;
@@ -84,16 +87,31 @@ struct TilePos {
   }
 };
 
+// The thread-constant parts of its two segments' offsets (tile row 2j + r, columns 16 cg ..): the per-tile parts
+// are uniform across the block, so a tile costs a few additions per load instead of 64-bit index products.
+struct ThreadOffsets {
+  int64_t data;    // elements: 2j * C + 16 cg (row 2j + 1: + C)
+  int64_t scale;   // compact scale: 2j * (C / 16) + cg (+ C / 16)
+  int64_t window;  // 1x64 window amax: 2j * (C / 64) (+ C / 64)
+  int swz[2];      // swizzled scale inside a 512-byte tile (tiles aligned with the 128 rows: R % 128 == 0)
+  __device__ __forceinline__ ThreadOffsets(const Args& a, int j, int cg)
+      : data(2 * j * a.C + cg * kSeg), scale(2 * j * (a.C >> 4) + cg), window(2 * j * (a.C >> 6)) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) swz[r] = ((2 * j + r) & 31) * 16 + ((2 * j + r) >> 5) * 4 + cg;
+  }
+};
+
 template <int kVar>
-__device__ __forceinline__ RawSegments LoadRaw(const Args& a, const TilePos& pos, int j, int cg) {
+__device__ __forceinline__ RawSegments LoadRaw(const Args& a, const TilePos& pos, const ThreadOffsets& off, int j,
+                                               int cg) {
   RawSegments raw;
-  const int64_t c = pos.ct * kTC + cg * kSeg;
+  if (kVar != kTransposeLocal && !(a.flags & kBlockOnly)) raw.amax = __ldg(a.amax + (a.amax_per_p ? pos.p : 0));
+  const int64_t r0 = int64_t(pos.rt) * kTR, c0 = int64_t(pos.ct) * kTC, row0 = pos.p * a.R + r0;  // block-uniform
+  if (c0 + cg * kSeg >= a.C) return raw;  // C % 16 == 0: segments are whole
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int64_t rr = pos.rt * kTR + 2 * j + r;
-    if (rr >= a.R || c >= a.C) continue;  // C % 16 == 0: segments are whole
-    const int64_t row = pos.p * a.R + rr;
-    const uint8_t* src = a.data + (row * a.C + c) / 2;
+    if (r0 + 2 * j + r >= a.R) continue;
+    const uint8_t* src = a.data + (row0 * a.C + c0 + off.data + r * a.C) / 2;
     if (a.vector_data) {
       raw.codes[r] = __ldg(reinterpret_cast<const uint2*>(src));
     } else {
@@ -102,14 +120,24 @@ __device__ __forceinline__ RawSegments LoadRaw(const Args& a, const TilePos& pos
         (i < 4 ? raw.codes[r].x : raw.codes[r].y) |= uint32_t(__ldg(src + i)) << (8 * (i & 3));
       }
     }
-    raw.scale[r] = __ldg(a.scale + ScaleIndex(a, row, c >> 4, a.C >> 4));
-    if constexpr (kVar == kTransposeLocal) raw.window[r] = __ldg(a.window_amax + row * (a.C >> 6) + (c >> 6));
+    int64_t si;
+    if (!(a.flags & kSwizzled)) {
+      si = row0 * (a.C >> 4) + (c0 >> 4) + off.scale + r * (a.C >> 4);
+    } else if (a.R % kTR == 0) {  // c0 / 16 is a multiple of 4: the 4 segments share one 128x4 scale tile
+      si = ((row0 >> 7) * (a.scale_cols_padded >> 2) + (c0 >> 6)) * layout::kTileBytes + off.swz[r];
+    } else {
+      si = layout::SwizzledIndex(row0 + 2 * j + r, (c0 >> 4) + cg, a.scale_cols_padded);
+    }
+    raw.scale[r] = __ldg(a.scale + si);
+    if constexpr (kVar == kTransposeLocal) {
+      raw.window[r] = __ldg(a.window_amax + row0 * (a.C >> 6) + (c0 >> 6) + off.window + r * (a.C >> 6));
+    }
   }
   return raw;
 }
 
 template <int kVar>
-__device__ __forceinline__ SegmentScale ScaleOf(const Args& a, const RawSegments& raw, int r, float amax) {
+__device__ __forceinline__ SegmentScale ScaleOf(const Args& a, const RawSegments& raw, int r) {
   SegmentScale s;
   s.codes = raw.codes[r];
   const float sb = cvt::E4M3Value(raw.scale[r]);
@@ -117,7 +145,7 @@ __device__ __forceinline__ SegmentScale ScaleOf(const Args& a, const RawSegments
     s.mult = sb;
     s.enc = cvt::WindowEncodeScale(raw.window[r]);
   } else {
-    s.mult = (a.flags & kBlockOnly) ? sb : __fmul_rn(__fmul_rn(sb, amax), cvt::kInv2688());
+    s.mult = (a.flags & kBlockOnly) ? sb : __fmul_rn(__fmul_rn(sb, raw.amax), cvt::kInv2688());
   }
   return s;
 }
@@ -180,8 +208,8 @@ __device__ __forceinline__ void StoreRhtPairs(const SegmentScale (&s)[2], bool f
 // at work at any moment cover consecutive tiles (whole stored rows: full DRAM pages), and loads each tile's codes
 // and scales while it decodes and writes out the previous one.
 template <typename Out, int kVar>
-__global__ void __launch_bounds__(kThreads, kVar == kTransposePlain ? 6 : 4)
-    TransposeKernel(const Args a, int64_t row_tiles, int64_t col_tiles) {
+__global__ void __launch_bounds__(kThreads, kVar == kTransposePlain ? 5 : 4)
+    TransposeKernel(const Args a, int row_tiles, int col_tiles) {
   using Bits = typename std::conditional<sizeof(Out) == 4, uint32_t, uint16_t>::type;
   using Pair = PairOf<Out>;
   constexpr int kV = 16 / int(sizeof(Out));  // elements per 16-byte run
@@ -189,20 +217,20 @@ __global__ void __launch_bounds__(kThreads, kVar == kTransposePlain ? 6 : 4)
   constexpr int kPairsPerRun = kV / 2;
   __shared__ __align__(16) Pair tile[kTC * kPairs];
   const int t = threadIdx.x, j = t >> 2, cg = t & 3;
-  const int64_t R = a.R, C = a.C, tiles = a.P * row_tiles * col_tiles;
+  const int64_t R = a.R, C = a.C;
+  const int tiles = int(a.P) * row_tiles * col_tiles;
   Pair* const mine = tile + cg * kSeg * kPairs + (j ^ (cg << 3));
   const int orl0 = t / kRunsPerRow, run0 = t % kRunsPerRow;
   const TilePos stride = TilePos::Of(gridDim.x, row_tiles, col_tiles);
   TilePos pos = TilePos::Of(blockIdx.x, row_tiles, col_tiles);
-  RawSegments raw = LoadRaw<kVar>(a, pos, j, cg);
-  for (int64_t k = blockIdx.x; k < tiles; k += gridDim.x) {
+  const ThreadOffsets off(a, j, cg);
+  RawSegments raw = LoadRaw<kVar>(a, pos, off, j, cg);
+  for (int k = blockIdx.x; k < tiles; k += gridDim.x) {
     TilePos next = pos;
     next.Advance(stride, row_tiles, col_tiles);
     RawSegments ahead;
-    if (k + gridDim.x < tiles) ahead = LoadRaw<kVar>(a, next, j, cg);
-    float amax = 0.0f;
-    if (kVar != kTransposeLocal && !(a.flags & kBlockOnly)) amax = __ldg(a.amax + (a.amax_per_p ? pos.p : 0));
-    const SegmentScale s[2] = {ScaleOf<kVar>(a, raw, 0, amax), ScaleOf<kVar>(a, raw, 1, amax)};
+    if (k + gridDim.x < tiles) ahead = LoadRaw<kVar>(a, next, off, j, cg);
+    const SegmentScale s[2] = {ScaleOf<kVar>(a, raw, 0), ScaleOf<kVar>(a, raw, 1)};
     const bool fast = FastSegment<kVar>(s[0]) && FastSegment<kVar>(s[1]);
     if constexpr (kVar == kTransposeRht) {
       StoreRhtPairs<Out>(s, fast, mine);
@@ -212,7 +240,7 @@ __global__ void __launch_bounds__(kThreads, kVar == kTransposePlain ? 6 : 4)
       StorePairs<Out, kVar, false>(s, mine);
     }
     __syncthreads();
-    const int64_t r0 = pos.rt * kTR, c0 = pos.ct * kTC;
+    const int64_t r0 = int64_t(pos.rt) * kTR, c0 = int64_t(pos.ct) * kTC;
     Bits* const out = static_cast<Bits*>(a.out) + (pos.p * C + c0) * R + r0;
     if (a.vector_out && r0 + kTR <= R && c0 + kTC <= C) {  // whole tile: no bounds checks
 #pragma unroll
@@ -249,11 +277,12 @@ template <typename Out, int kVar>
 cudaError_t LaunchTransposeVariant(const Args& a, cudaStream_t stream) {
   const int64_t col_tiles = (a.C + kTC - 1) / kTC, row_tiles = (a.R + kTR - 1) / kTR;
   const int64_t tiles = a.P * row_tiles * col_tiles;
+  if (tiles >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
   unsigned grid = 0;
   const cudaError_t err = PersistentGrid(TransposeKernel<Out, kVar>, kThreads, 0, &grid);
   if (err != cudaSuccess) return err;
   if (int64_t(grid) > tiles) grid = unsigned(tiles);
-  TransposeKernel<Out, kVar><<<grid, kThreads, 0, stream>>>(a, row_tiles, col_tiles);
+  TransposeKernel<Out, kVar><<<grid, kThreads, 0, stream>>>(a, int(row_tiles), int(col_tiles));
   return cudaGetLastError();
 }
 
