@@ -258,9 +258,9 @@ __global__ void __launch_bounds__(kThreads) FlatKernel(const Args a, Idx num_run
         v[i] = __fmul_rn(Fp8Value<kKind>((word >> (8 * (i & 3))) & 0xFFu), s);
       }
     }
-    // A finite multiplier with finite codes (NVFP4 has no NaN codes; 1x64: a finite s_b over a positive finite S_enc)
-    // gives no NaN: pack without the NaN fix-up.
-    const bool fast = kKind == kNvfp4 && isfinite(mult[j]);
+    // A finite multiplier with finite codes (NVFP4 has no NaN codes; 1x64: a finite s_b over an S_enc in the range
+    // WindowDivisor accepts — an infinite window amax gives S_enc = 0) gives no NaN: pack without the NaN fix-up.
+    const bool fast = kKind == kNvfp4 && isfinite(mult[j]) && (!kLocal || WindowDivisor::Safe(div[j]));
     reinterpret_cast<uint4*>(a.out)[run] = fast ? PackRunFinite<Out, kV>(v) : PackRun<Out, kV>(v);
   }
 }

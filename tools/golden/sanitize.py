@@ -49,7 +49,7 @@ outs += [
     # transposed NVFP4 over many tiles per persistent block (prefetched), partial last row and column tiles (4064 % 128,
     # 2016 % 64), plain / 1x64 / RHT; MXFP8 columnwise with swizzled scales through its shared-memory tiles (f32 out)
     jax_fp4.dequantize(jax_fp4.quantize(xl, N(), axis=0, scale_layout="swizzled")),
-    jax_fp4.dequantize(jax_fp4.quantize(xl[:4032], N(local_1x64=True), axis=0), jnp.float32),
+    jax_fp4.dequantize(jax_fp4.quantize(xl[:4032, :1984], N(local_1x64=True), axis=0), jnp.float32),
     jax_fp4.dequantize(jax_fp4.quantize(xl[:, :1024], N(rht=True), axis=0), jnp.float16),
     jax_fp4.dequantize(jax_fp4.quantize(xl, M(), axis=0, scale_layout="swizzled"), jnp.float32),
     jax_fp4.swizzle_scales(q_mx).scale,  # [40, 3] -> [128, 4]: padding rows and columns

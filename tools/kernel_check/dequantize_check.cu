@@ -145,6 +145,7 @@ Run Setup(const Variant& v, const Shape& s, bool realistic, uint64_t seed) {
       const int pick = byte(g);
       w[i] = pick < 4 ? 0.0f : (pick < 8 && !realistic ? std::ldexp(1.0f, -140 + pick) : std::ldexp(1.0f + 0.5f *
              std::abs(u(g)), int(realistic ? u(g) / 3 : u(g) * 4)));
+      if (!realistic && pick >= 250) w[i] = pick == 250 ? INFINITY : pick == 251 ? NAN : pick == 252 ? -1.0f : 3e38f;
     }
     r.wamax = Upload(w);
   }
