@@ -4,7 +4,7 @@
 // bytes (tiles in row-major order); inside a tile, S[i, j] sits at (i % 32) * 16 + ((i % 128) / 32) * 4 + (j % 4).
 // So the 16 bytes at tile offset 16 * l are the four rows l, l + 32, l + 64, l + 96, four columns each.
 //
-// Both kernels move a 128-row x 32-column stripe (8 tiles, 4 KiB) per 256-thread block through shared memory:
+// Both kernels move a 128-row x 64-column stripe (16 tiles, 8 KiB) per 256-thread block through shared memory:
 // the compact side as rows of 4-byte words (4-byte accesses when cols % 4 == 0 and the pointers are aligned, else
 // byte accesses), the swizzled side as 16-byte chunks (always aligned: a matrix is a multiple of 512 bytes). Leading
 // batch dimensions are independent matrices, one after the other in both layouts. Padding is written as zero bytes
@@ -24,7 +24,7 @@ namespace swizzle {
 using layout::kTileBytes;
 using layout::kTileCols;
 using layout::kTileRows;
-constexpr int kStripeTiles = 8;                    // tiles per thread block (32-byte compact row pieces)
+constexpr int kStripeTiles = 16;                   // tiles per thread block
 constexpr int kWords = kStripeTiles;               // 4-byte words per stripe row (one per tile)
 constexpr int kPitch = kWords + 1;                 // shared-memory row pitch in words (odd: no bank conflicts)
 constexpr int kThreads = 256;
