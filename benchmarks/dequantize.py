@@ -10,7 +10,10 @@ only, it is slow to compile). The first shape also checks the kernel's bits agai
 Timing: every function is jitted over K rotated inputs (one call runs it on each of them, so one Python dispatch
 covers K kernels and no input stays in L2); after warm-up, up to `iters` calls (fewer for slow functions, about
 0.5 s per repeat) are enqueued back to back and the wall time until `jax.block_until_ready` is divided by calls * K.
-The best of `repeats` runs is reported.
+The best of `repeats` runs is reported. The scale-layout ops (swizzle / unswizzle) move only the scales (a few MB,
+a few µs), so they run over K_SCALES = 32 scale arrays per call (else the Python dispatch, not the GPU, is timed) and
+their rows also report a device-to-device copy of the same scale arrays timed the same way ("% same-size copy":
+the fraction of what a copy of those bytes reaches, launch and tail effects included).
 
 Usage: python benchmarks/dequantize.py [--shapes default|small|MxK,...] [--variants id,...] [--iters 20]
                                        [--repeats 3] [--out benchmarks/results/dequantize.json]
@@ -33,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/_co
 import _common as bench  # noqa: E402
 
 K = 3  # rotated inputs per call
+K_SCALES = 32  # scale arrays per call for the swizzle / unswizzle ops
 KEY = jax.random.key(0)
 
 
@@ -112,6 +116,10 @@ def main():
                 quantize = jax.jit(lambda x, v=v: jax_fp4.quantize(x, v.fmt, axis=v.axis, scale_layout=v.layout))
                 quantized[key] = jax.block_until_ready([quantize(b) for b in bufs])
             qs = quantized[key]
+            same_size_copy_t = None
+            if v.op != "dequantize":  # K_SCALES distinct scale buffers (the ops read nothing else)
+                qs = [dataclasses.replace(qs[i % K], scale=jnp.copy(qs[i % K].scale)) for i in range(K_SCALES)]
+                same_size_copy_t, _ = bench.time_over_buffers(jnp.copy, [q.scale for q in qs], **timing)
             fn = kernel_fn(v)
             missing = bench.kernels_missing(fn, qs[:1], v.kernels) if first else []
             if missing:
@@ -124,24 +132,29 @@ def main():
                 bit_exact = bench.bit_exact_check(f"{v.id} [{sname}]", bench.bits_equal, got[0], want[0])
                 del got, want
             gbs = ob / t / 1e9
+            same_pct = None if same_size_copy_t is None else 100 * same_size_copy_t / t
             row = {
                 "variant": v.name, "id": v.id, "op": v.op, "shape_name": sname, "shape": list(shape),
                 "out_dtype": jnp.dtype(v.dtype).name if v.op == "dequantize" else None, "layout": v.layout,
                 "us": t * 1e6, "bytes": ob, "GBps": gbs, "pct_copy_bw": 100 * gbs / copy_gbs,
+                "same_size_copy_us": bench.micros(same_size_copy_t), "pct_same_size_copy": same_pct,
                 "ref_us": bench.micros(t_ref), "speedup_vs_ref": bench.ratio(t_ref, t), "bit_exact_vs_ref": bit_exact,
             }
             rows.append(row)
-            print(f"  {v.name:<30} {row['us']:>9.1f} µs {gbs:>7.0f} GB/s {row['pct_copy_bw']:>5.1f}% "
+            same = "" if same_pct is None else f" ({same_pct:.0f}% of a same-size copy)"
+            print(f"  {v.name:<30} {row['us']:>9.1f} µs {gbs:>7.0f} GB/s {row['pct_copy_bw']:>5.1f}%{same} "
                   f"(t={time.perf_counter() - t_start:.0f}s)", flush=True)
         del bufs, quantized
 
     bench.print_summary(results, "bytes = data + scales + amaxes read once, output written once (float4 at 4 bits); "
+                        "% same = a same-size copy's µs / this row's µs (scale-layout ops); "
                         "vs ref = the jitted reference's µs / this row's µs (first shape only)")
 
     bench.print_table(
-        [("variant", "<30"), ("shape", "<32"), ("µs", ">9"), ("GB/s", ">7"), ("% copy", ">7"), ("vs ref", ">8"),
-         ("exact", ">5")],
+        [("variant", "<30"), ("shape", "<32"), ("µs", ">9"), ("GB/s", ">7"), ("% copy", ">7"), ("% same", ">7"),
+         ("vs ref", ">8"), ("exact", ">5")],
         [(r["variant"], r["shape_name"], f"{r['us']:.1f}", f"{r['GBps']:.0f}", f"{r['pct_copy_bw']:.1f}%",
+          bench.fmt(r["pct_same_size_copy"], ".1f") + ("%" if r["pct_same_size_copy"] is not None else ""),
           bench.fmt_speedup(r["speedup_vs_ref"]), bench.fmt_exact(r["bit_exact_vs_ref"])) for r in rows])
     bench.finish_run(results, args.out, t_start)
 

@@ -4,7 +4,8 @@
 // The swizzled scale of element (p, r, c) is S[p * C + c, r / 32] of the padded [Rp, Cp] matrix: the 16 scales of a
 // 16-column run lie 16 bytes apart, so reading them per run costs 16 byte loads. Here a 256-thread block owns a tile
 // of 128 rows (4 scale columns) x 128 columns: it first copies the tile's 4 x 128 scales into shared memory (compact,
-// column-major per scale column) and issues its data loads, then each thread decodes four 16-column runs (rows
+// column-major per scale column; when they form one whole 512-byte swizzled tile, as for P == 1 or C % 128 == 0,
+// with one 4-byte load per thread of the first 128) and issues its data loads, then each thread decodes four 16-column runs (rows
 // r0 + 32 m + t / 8, m < 4: run m uses scale column m), reading the run's 16 scales as one 16-byte shared load.
 // Used when C % 16 == 0 and data and output rows are 16-byte aligned (Args::vector_data / vector_out); R % 32 == 0 as
 // for every MXFP8 columnwise tensor. Grid: P * ceil(R / 128) * ceil(C / 128) blocks. No atomics, no scratch.
@@ -36,15 +37,28 @@ __global__ void __launch_bounds__(kThreads) MxColumnwiseSwizzledKernel(const Arg
   const int64_t rt = blk % row_tiles, p = blk / row_tiles;
   const int64_t r0 = rt * kMxTileRows, c0 = ct * kMxTileCols;
   const int t = threadIdx.x;
+  if (a.P == 1 || C % kMxTileCols == 0) {
+    // The tile's scales are one whole 512-byte swizzled tile (scale rows p * C + c0 .. + 127, a multiple of 128;
+    // scale columns r0 / 32 .. + 3): thread t < 128 loads its 4 bytes at 4 t, scale row (t / 4) + 32 (t % 4),
+    // columns m = 0..3. Rows or columns past the tensor hold the padding and are not decoded.
+    if (t < kMxTileCols) {
+      const int64_t tile = ((p * C + c0) >> 7) * (a.scale_cols_padded >> 2) + (r0 >> 7);
+      const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(a.scale + tile * layout::kTileBytes) + t);
+      const int i = (t >> 2) + 32 * (t & 3);
 #pragma unroll
-  for (int q = t; q < kScaleCols * kMxTileCols; q += kThreads) {
-    const int m = q / kMxTileCols, i = q % kMxTileCols;
-    const int64_t mb = (r0 >> 5) + m;
-    uint32_t code = 0u;
-    if (mb < (R >> 5) && c0 + i < C) {
-      code = __ldg(a.scale + layout::SwizzledIndex(p * C + c0 + i, mb, a.scale_cols_padded));
+      for (int m = 0; m < kScaleCols; ++m) scales[m][i] = uint8_t(w >> (8 * m));
     }
-    scales[m][i] = uint8_t(code);
+  } else {
+#pragma unroll
+    for (int q = t; q < kScaleCols * kMxTileCols; q += kThreads) {
+      const int m = q / kMxTileCols, i = q % kMxTileCols;
+      const int64_t mb = (r0 >> 5) + m;
+      uint32_t code = 0u;
+      if (mb < (R >> 5) && c0 + i < C) {
+        code = __ldg(a.scale + layout::SwizzledIndex(p * C + c0 + i, mb, a.scale_cols_padded));
+      }
+      scales[m][i] = uint8_t(code);
+    }
   }
   const int lr = t / kRunsPerRow, cg = t % kRunsPerRow;
   const int64_t c = c0 + cg * kSeg;

@@ -9,16 +9,18 @@
 // writes the kTC output rows of kTR elements as 16-byte runs, consecutive threads on consecutive runs.
 // The decode is specialised per variant (kTransposePlain / kTransposeRht / kTransposeLocal), so the common 1D case
 // carries no RHT or division code. Values that cannot produce NaN (finite multiplier; for RHT |multiplier| <= 2^100,
-// so 16-term sums stay finite) skip the canonical-NaN fix-up of OutBits.
-// Persistent grid (the blocks resident at once); each block walks a contiguous range of tiles and loads the next
-// tile's codes and scales before decoding the current one, so the loads overlap the decode, barrier and stores.
-// No atomics, no scratch.
+// so 16-term sums stay finite) skip the canonical-NaN fix-up of OutBits; plain 16-bit outputs with a finite
+// multiplier look their values up in a per-segment table (HalfTable).
+// Persistent grid (kTransposeBlocksPerSm blocks per SM); each block grid-strides over the tiles in band order and
+// loads the next tile's codes and scales before decoding the current one, so the loads overlap the decode, barrier
+// and stores. No atomics, no scratch.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -32,6 +34,10 @@ namespace jax_fp4 {
 namespace dequantize {
 
 constexpr int kTR = 128, kTC = 64;
+// Resident blocks per SM (the persistent grid) and column tiles per band (TilePos). Measured on an H100
+// (tools/kernel_check/dequantize_check.cu, session 9): 4 blocks beat 5 by 1-3 %, bands of 32 beat column-tile-first
+// order by up to 20 % at 16384x14336.
+constexpr int kTransposeBlocksPerSm = 4, kMaxBand = 32;
 enum TransposeVariant : int { kTransposePlain = 0, kTransposeRht = 1, kTransposeLocal = 2 };
 
 template <typename Out>
@@ -66,78 +72,110 @@ struct RawSegments {
   uint2 codes[2] = {make_uint2(0u, 0u), make_uint2(0u, 0u)};
   uint32_t scale[2] = {0u, 0u};      // E4M3 codes (0 = +0 past the tensor: those rows decode as zeros)
   float window[2] = {0.0f, 0.0f};    // 1x64: window amax
-  float amax = 0.0f;                 // plain / RHT with a tensor scale: the tensor amax of p
+  float amax = 0.0f;                 // plain / RHT, one tensor amax per p: the tensor amax of p
 };
 
-// Position of a tile: p, row tile, column tile (column tiles fastest), advanced by the grid size in mixed radix.
-// 32-bit: the launcher keeps the tile count below 2^31.
+// Position of a tile in band order: p, column band (g column tiles: concurrently running blocks cover g column tiles
+// of consecutive row tiles, so both the stored rows they read and the output rows they write are long runs), row
+// tile, column tile within the band (fastest), advanced by the grid size in mixed radix. The launcher pads the
+// column tiles to whole bands; padding tiles (ct >= col_tiles) are skipped. 32-bit: the launcher keeps the padded
+// tile count below 2^31.
 struct TilePos {
-  int p, rt, ct;
-  __device__ __forceinline__ static TilePos Of(int k, int row_tiles, int col_tiles) {
-    return TilePos{k / (row_tiles * col_tiles), (k / col_tiles) % row_tiles, k % col_tiles};
+  int p, band, rt, cin, ct;
+  __device__ __forceinline__ static TilePos Of(int k, int row_tiles, int bands, int g) {
+    const int rest = k / g, rest2 = rest / row_tiles;
+    const int band = rest2 % bands, cin = k % g;
+    return TilePos{rest2 / bands, band, rest % row_tiles, cin, band * g + cin};
   }
-  __device__ __forceinline__ void Advance(const TilePos& by, int row_tiles, int col_tiles) {
-    ct += by.ct;
-    const bool c1 = ct >= col_tiles;
-    if (c1) ct -= col_tiles;
-    rt += by.rt + c1;
-    const bool c2 = rt >= row_tiles;
-    if (c2) rt -= row_tiles;
+  __device__ __forceinline__ void Advance(const TilePos& by, int row_tiles, int bands, int g) {
+    cin += by.cin;
+    const bool c0 = cin >= g;
+    if (c0) cin -= g;
+    rt += by.rt + c0;
+    const bool c1 = rt >= row_tiles;
+    if (c1) rt -= row_tiles;
+    band += by.band + c1;
+    const bool c2 = band >= bands;
+    if (c2) band -= bands;
     p += by.p + c2;
+    ct = band * g + cin;
   }
 };
 
 // The thread-constant parts of its two segments' offsets (tile row 2j + r, columns 16 cg ..): the per-tile parts
 // are uniform across the block, so a tile costs a few additions per load instead of 64-bit index products.
 struct ThreadOffsets {
-  int64_t data;    // elements: 2j * C + 16 cg (row 2j + 1: + C)
+  int64_t data;    // bytes: (2j * C + 16 cg) / 2 (row 2j + 1: + C / 2)
   int64_t scale;   // compact scale: 2j * (C / 16) + cg (+ C / 16)
   int64_t window;  // 1x64 window amax: 2j * (C / 64) (+ C / 64)
   int swz[2];      // swizzled scale inside a 512-byte tile (tiles aligned with the 128 rows: R % 128 == 0)
   __device__ __forceinline__ ThreadOffsets(const Args& a, int j, int cg)
-      : data(2 * j * a.C + cg * kSeg), scale(2 * j * (a.C >> 4) + cg), window(2 * j * (a.C >> 6)) {
+      : data(j * a.C + cg * (kSeg / 2)), scale(2 * j * (a.C >> 4) + cg), window(2 * j * (a.C >> 6)) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) swz[r] = ((2 * j + r) & 31) * 16 + ((2 * j + r) >> 5) * 4 + cg;
   }
 };
 
+// The tensor amax that scales p's block scales (plain / RHT with a tensor scale; 1x64 and block-only: unused).
+template <int kVar>
+__device__ __forceinline__ float TensorAmax(const Args& a, int p) {
+  if (kVar == kTransposeLocal || (a.flags & kBlockOnly)) return 0.0f;
+  return __ldg(a.amax + (a.amax_per_p ? p : 0));
+}
+
 template <int kVar>
 __device__ __forceinline__ RawSegments LoadRaw(const Args& a, const TilePos& pos, const ThreadOffsets& off, int j,
                                                int cg) {
   RawSegments raw;
-  if (kVar != kTransposeLocal && !(a.flags & kBlockOnly)) raw.amax = __ldg(a.amax + (a.amax_per_p ? pos.p : 0));
-  const int64_t r0 = int64_t(pos.rt) * kTR, c0 = int64_t(pos.ct) * kTC, row0 = pos.p * a.R + r0;  // block-uniform
-  if (c0 + cg * kSeg >= a.C) return raw;  // C % 16 == 0: segments are whole
+  if (a.amax_per_p) raw.amax = TensorAmax<kVar>(a, pos.p);
+  // Block-uniform: the tile's first stored row (of all P * R) and column; C % 16 == 0, so segments are whole and
+  // row0 * C + c0 is even.
+  const int64_t C = a.C, r0 = int64_t(pos.rt) * kTR, c0 = int64_t(pos.ct) * kTC, row0 = pos.p * a.R + r0;
+  if (c0 + cg * kSeg >= C) return raw;
+  const bool row_in[2] = {r0 + 2 * j < a.R, r0 + 2 * j + 1 < a.R};
+  const uint8_t* const src = a.data + ((row0 * C + c0) >> 1) + off.data;
+  if (a.vector_data) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if (r0 + 2 * j + r >= a.R) continue;
-    const uint8_t* src = a.data + (row0 * a.C + c0 + off.data + r * a.C) / 2;
-    if (a.vector_data) {
-      raw.codes[r] = __ldg(reinterpret_cast<const uint2*>(src));
-    } else {
+    for (int r = 0; r < 2; ++r) {
+      if (row_in[r]) raw.codes[r] = __ldg(reinterpret_cast<const uint2*>(src + r * (C >> 1)));
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        (i < 4 ? raw.codes[r].x : raw.codes[r].y) |= uint32_t(__ldg(src + i)) << (8 * (i & 3));
+        if (row_in[r]) (i < 4 ? raw.codes[r].x : raw.codes[r].y) |= uint32_t(__ldg(src + r * (C >> 1) + i)) << (8 * (i & 3));
       }
     }
-    int64_t si;
-    if (!(a.flags & kSwizzled)) {
-      si = row0 * (a.C >> 4) + (c0 >> 4) + off.scale + r * (a.C >> 4);
-    } else if (a.R % kTR == 0) {  // c0 / 16 is a multiple of 4: the 4 segments share one 128x4 scale tile
-      si = ((row0 >> 7) * (a.scale_cols_padded >> 2) + (c0 >> 6)) * layout::kTileBytes + off.swz[r];
-    } else {
-      si = layout::SwizzledIndex(row0 + 2 * j + r, (c0 >> 4) + cg, a.scale_cols_padded);
-    }
-    raw.scale[r] = __ldg(a.scale + si);
-    if constexpr (kVar == kTransposeLocal) {
-      raw.window[r] = __ldg(a.window_amax + row0 * (a.C >> 6) + (c0 >> 6) + off.window + r * (a.C >> 6));
+  }
+  const uint8_t* scale;
+  int64_t scale_step = C >> 4;  // row 2j + 1's scale, from row 2j's
+  if (!(a.flags & kSwizzled)) {
+    scale = a.scale + row0 * (C >> 4) + (c0 >> 4) + off.scale;
+  } else if (a.R % kTR == 0) {  // c0 / 16 is a multiple of 4: the 4 segments share one 128x4 scale tile
+    scale = a.scale + ((row0 >> 7) * (a.scale_cols_padded >> 2) + (c0 >> 6)) * layout::kTileBytes + off.swz[0];
+    scale_step = off.swz[1] - off.swz[0];
+  } else {
+    scale = a.scale + layout::SwizzledIndex(row0 + 2 * j, (c0 >> 4) + cg, a.scale_cols_padded);
+    scale_step = layout::SwizzledIndex(row0 + 2 * j + 1, (c0 >> 4) + cg, a.scale_cols_padded) -
+                 layout::SwizzledIndex(row0 + 2 * j, (c0 >> 4) + cg, a.scale_cols_padded);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (row_in[r]) raw.scale[r] = __ldg(scale + r * scale_step);
+  }
+  if constexpr (kVar == kTransposeLocal) {
+    const float* window = a.window_amax + row0 * (C >> 6) + (c0 >> 6) + off.window;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (row_in[r]) raw.window[r] = __ldg(window + r * (C >> 6));
     }
   }
   return raw;
 }
 
 template <int kVar>
-__device__ __forceinline__ SegmentScale ScaleOf(const Args& a, const RawSegments& raw, int r) {
+__device__ __forceinline__ SegmentScale ScaleOf(const Args& a, const RawSegments& raw, float amax, int r) {
   SegmentScale s;
   s.codes = raw.codes[r];
   const float sb = cvt::E4M3Value(raw.scale[r]);
@@ -145,7 +183,7 @@ __device__ __forceinline__ SegmentScale ScaleOf(const Args& a, const RawSegments
     s.mult = sb;
     s.enc = cvt::WindowEncodeScale(raw.window[r]);
   } else {
-    s.mult = (a.flags & kBlockOnly) ? sb : __fmul_rn(__fmul_rn(sb, raw.amax), cvt::kInv2688());
+    s.mult = (a.flags & kBlockOnly) ? sb : __fmul_rn(__fmul_rn(sb, amax), cvt::kInv2688());
   }
   return s;
 }
@@ -182,6 +220,62 @@ __device__ __forceinline__ void StorePairs(const SegmentScale (&s)[2], PairOf<Ou
   }
 }
 
+// 16-bit outputs of a finite multiplier m (plain variant): value(code) * m rounded to Out depends on the code's
+// magnitude (8 values) and sign only, and RN is sign-symmetric, so a segment rounds the 8 products
+// RN(RN_f32(q * m)) once (the same two roundings as PackPair) into a byte-split table: lo[0] / lo[1] hold the low
+// bytes of magnitudes 0..3 / 4..7, hi[] the high bytes. Four codes then look up their low and high bytes with one
+// byte permute each (selector: the codes' magnitude bits), and the code's sign flips bit 15 (XOR: m may be
+// negative, zero products keep the sign of m, as q * m does).
+struct HalfTable {
+  uint32_t lo[2], hi[2];
+};
+
+template <typename Out>
+__device__ __forceinline__ HalfTable MakeHalfTable(float m) {
+  uint32_t t[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    constexpr float kMag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    t[i] = PackPair<Out, true>(__fmul_rn(kMag[2 * i], m), __fmul_rn(kMag[2 * i + 1], m));
+  }
+  return HalfTable{{__byte_perm(t[0], t[1], 0x6420u), __byte_perm(t[2], t[3], 0x6420u)},
+                   {__byte_perm(t[0], t[1], 0x7531u), __byte_perm(t[2], t[3], 0x7531u)}};
+}
+
+// Plain, 16-bit outputs, finite multipliers: both rows' 16 codes through their tables, paired per column.
+template <typename Out>
+__device__ __forceinline__ void StoreTablePairs(const SegmentScale (&s)[2], PairOf<Out>* dst) {
+  const HalfTable tab[2] = {MakeHalfTable<Out>(s[0].mult), MakeHalfTable<Out>(s[1].mult)};
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {  // code word: codes 8w .. 8w + 7 of each row
+    uint32_t lo[2][2], hi[2][2];  // [row][codes 4k .. 4k + 3 of the word]: one byte per code
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint32_t word = w ? s[r].codes.y : s[r].codes.x;
+      // Sign bits at bit 7 of each byte, codes in order: byte k of word << 4 / word has code 2k's / 2k + 1's.
+      const uint32_t even = word << 4;
+      const uint32_t sign[2] = {__byte_perm(even, word, 0x5140u), __byte_perm(even, word, 0x7362u)};
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const uint32_t sel = (word >> (16 * k)) & 0x7777u;
+        lo[r][k] = __byte_perm(tab[r].lo[0], tab[r].lo[1], sel);
+        hi[r][k] = __byte_perm(tab[r].hi[0], tab[r].hi[1], sel) ^ (sign[k] & 0x80808080u);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {  // codes 4k + 2 half, + 1: the two rows' bytes interleaved
+        const uint32_t sel = half ? 0x7362u : 0x5140u;
+        const uint32_t x = __byte_perm(lo[0][k], lo[1][k], sel), y = __byte_perm(hi[0][k], hi[1][k], sel);
+        const int c = 8 * w + 4 * k + 2 * half;
+        dst[c * (kTR / 2)] = __byte_perm(x, y, 0x5140u);
+        dst[(c + 1) * (kTR / 2)] = __byte_perm(x, y, 0x7362u);
+      }
+    }
+  }
+}
+
 // RHT: both rows' 16 values through the inverse transform, then the 16 pairs.
 template <typename Out>
 __device__ __forceinline__ void StoreRhtPairs(const SegmentScale (&s)[2], bool fast, PairOf<Out>* dst) {
@@ -204,12 +298,13 @@ __device__ __forceinline__ void StoreRhtPairs(const SegmentScale (&s)[2], bool f
   }
 }
 
-// Block b takes the tiles b, b + grid, b + 2 * grid, ... of the flat (p, row tile, column tile) order, so the blocks
-// at work at any moment cover consecutive tiles (whole stored rows: full DRAM pages), and loads each tile's codes
-// and scales while it decodes and writes out the previous one.
+// Block b takes the tiles b, b + grid, b + 2 * grid, ... of the band order (TilePos), so the blocks at work at any
+// moment cover neighbouring tiles, and loads each tile's codes and scales while it decodes and writes out the
+// previous one. g: column tiles per band.
 template <typename Out, int kVar>
-__global__ void __launch_bounds__(kThreads, kVar == kTransposePlain ? 5 : 4)
-    TransposeKernel(const Args a, int row_tiles, int col_tiles) {
+__global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm)
+    TransposeKernel(const Args a, int row_tiles, int col_tiles, int g) {
+  const int bands = (col_tiles + g - 1) / g;
   using Bits = typename std::conditional<sizeof(Out) == 4, uint32_t, uint16_t>::type;
   using Pair = PairOf<Out>;
   constexpr int kV = 16 / int(sizeof(Out));  // elements per 16-byte run
@@ -218,22 +313,32 @@ __global__ void __launch_bounds__(kThreads, kVar == kTransposePlain ? 5 : 4)
   __shared__ __align__(16) Pair tile[kTC * kPairs];
   const int t = threadIdx.x, j = t >> 2, cg = t & 3;
   const int64_t R = a.R, C = a.C;
-  const int tiles = int(a.P) * row_tiles * col_tiles;
-  Pair* const mine = tile + cg * kSeg * kPairs + (j ^ (cg << 3));
+  const int tiles = int(a.P) * row_tiles * bands * g;  // padded to whole bands
+  const int mine_off = cg * kSeg * kPairs + (j ^ (cg << 3));
   const int orl0 = t / kRunsPerRow, run0 = t % kRunsPerRow;
-  const TilePos stride = TilePos::Of(gridDim.x, row_tiles, col_tiles);
-  TilePos pos = TilePos::Of(blockIdx.x, row_tiles, col_tiles);
+  const TilePos stride = TilePos::Of(gridDim.x, row_tiles, bands, g);
+  TilePos pos = TilePos::Of(blockIdx.x, row_tiles, bands, g);
   const ThreadOffsets off(a, j, cg);
+  const float shared_amax = a.amax_per_p ? 0.0f : TensorAmax<kVar>(a, 0);  // one tensor amax for all of p
   RawSegments raw = LoadRaw<kVar>(a, pos, off, j, cg);
   for (int k = blockIdx.x; k < tiles; k += gridDim.x) {
     TilePos next = pos;
-    next.Advance(stride, row_tiles, col_tiles);
+    next.Advance(stride, row_tiles, bands, g);
     RawSegments ahead;
     if (k + gridDim.x < tiles) ahead = LoadRaw<kVar>(a, next, off, j, cg);
-    const SegmentScale s[2] = {ScaleOf<kVar>(a, raw, 0), ScaleOf<kVar>(a, raw, 1)};
+    if (pos.ct >= col_tiles) {  // padding (block-uniform)
+      raw = ahead;
+      pos = next;
+      continue;
+    }
+    const float amax = a.amax_per_p ? raw.amax : shared_amax;
+    const SegmentScale s[2] = {ScaleOf<kVar>(a, raw, amax, 0), ScaleOf<kVar>(a, raw, amax, 1)};
     const bool fast = FastSegment<kVar>(s[0]) && FastSegment<kVar>(s[1]);
+    Pair* const mine = tile + mine_off;
     if constexpr (kVar == kTransposeRht) {
       StoreRhtPairs<Out>(s, fast, mine);
+    } else if (kVar == kTransposePlain && sizeof(Out) == 2 && fast) {
+      if constexpr (sizeof(Out) == 2) StoreTablePairs<Out>(s, mine);
     } else if (fast) {
       StorePairs<Out, kVar, true>(s, mine);
     } else {
@@ -276,13 +381,17 @@ __global__ void __launch_bounds__(kThreads, kVar == kTransposePlain ? 5 : 4)
 template <typename Out, int kVar>
 cudaError_t LaunchTransposeVariant(const Args& a, cudaStream_t stream) {
   const int64_t col_tiles = (a.C + kTC - 1) / kTC, row_tiles = (a.R + kTR - 1) / kTR;
-  const int64_t tiles = a.P * row_tiles * col_tiles;
+  // Bands of at most kMaxBand column tiles, as even as possible (padding: under one tile column per band).
+  const int64_t bands = (col_tiles + kMaxBand - 1) / kMaxBand, g = (col_tiles + bands - 1) / bands;
+  const int64_t tiles = a.P * row_tiles * bands * g;
   if (tiles >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
   unsigned grid = 0;
   const cudaError_t err = PersistentGrid(TransposeKernel<Out, kVar>, kThreads, 0, &grid);
   if (err != cudaSuccess) return err;
+  int sms = 0;
+  if (NumSms(&sms) == cudaSuccess && sms > 0) grid = std::min(grid, unsigned(kTransposeBlocksPerSm * sms));
   if (int64_t(grid) > tiles) grid = unsigned(tiles);
-  TransposeKernel<Out, kVar><<<grid, kThreads, 0, stream>>>(a, int(row_tiles), int(col_tiles));
+  TransposeKernel<Out, kVar><<<grid, kThreads, 0, stream>>>(a, int(row_tiles), int(col_tiles), int(g));
   return cudaGetLastError();
 }
 

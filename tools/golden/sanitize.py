@@ -52,6 +52,8 @@ outs += [
     jax_fp4.dequantize(jax_fp4.quantize(xl[:4032, :1984], N(local_1x64=True), axis=0), jnp.float32),
     jax_fp4.dequantize(jax_fp4.quantize(xl[:, :1024], N(rht=True), axis=0), jnp.float16),
     jax_fp4.dequantize(jax_fp4.quantize(xl, M(), axis=0, scale_layout="swizzled"), jnp.float32),
+    # transposed NVFP4 whose 33 column tiles pad to 2 bands of 17 (a padding tile column), bf16 table decode
+    jax_fp4.dequantize(jax_fp4.quantize(xl[:2112, :520], N(), axis=0)),
     jax_fp4.swizzle_scales(q_mx).scale,  # [40, 3] -> [128, 4]: padding rows and columns
     jax_fp4.unswizzle_scales(q_nv).scale,
     jax_fp4.unswizzle_scales(jax_fp4.swizzle_scales(jax_fp4.quantize(x, N()))).scale,
