@@ -78,8 +78,9 @@ struct RawSegments {
 // Position of a tile in band order: p, column band (g column tiles: concurrently running blocks cover g column tiles
 // of consecutive row tiles, so both the stored rows they read and the output rows they write are long runs), row
 // tile, column tile within the band (fastest), advanced by the grid size in mixed radix. The launcher pads the
-// column tiles to whole bands; padding tiles (ct >= col_tiles) are skipped. 32-bit: the launcher keeps the padded
-// tile count below 2^31.
+// column tiles to whole bands; a padding tile (ct >= col_tiles) loads nothing, decodes zeros and stores nothing
+// (skipping it with a branch measured 7 % slower for RHT / 1x64 on an H100: the loop's schedule changed). 32-bit:
+// the launcher keeps the padded tile count below 2^31.
 struct TilePos {
   int p, band, rt, cin, ct;
   __device__ __forceinline__ static TilePos Of(int k, int row_tiles, int bands, int g) {
@@ -326,11 +327,6 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm)
     next.Advance(stride, row_tiles, bands, g);
     RawSegments ahead;
     if (k + gridDim.x < tiles) ahead = LoadRaw<kVar>(a, next, off, j, cg);
-    if (pos.ct >= col_tiles) {  // padding (block-uniform)
-      raw = ahead;
-      pos = next;
-      continue;
-    }
     const float amax = a.amax_per_p ? raw.amax : shared_amax;
     const SegmentScale s[2] = {ScaleOf<kVar>(a, raw, amax, 0), ScaleOf<kVar>(a, raw, amax, 1)};
     const bool fast = FastSegment<kVar>(s[0]) && FastSegment<kVar>(s[1]);
