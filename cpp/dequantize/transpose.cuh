@@ -6,7 +6,8 @@
 // 32-byte row pieces. Both rows' values at one column form one output pair (two 16-bit outputs packed by one
 // cvt.rn.{bf16,f16}x2.f32, or two floats), stored to shared memory at pair slot j ^ (8 * cg) of tile row
 // 16 * cg + i: the XOR spreads the four segments over the banks and keeps 16-byte groups contiguous. The block then
-// writes the kTC output rows of kTR elements as 16-byte runs, consecutive threads on consecutive runs.
+// writes the kTC output rows of kTR elements as 16-byte runs, consecutive threads on consecutive runs (whole tiles
+// with evict-first stores, st.global.cs: 0-3 % faster on an H100 than default stores, more for f32 outputs).
 // The decode is specialised per variant (kTransposePlain / kTransposeRht / kTransposeLocal), so the common 1D case
 // carries no RHT or division code. Values that cannot produce NaN (finite multiplier; for RHT |multiplier| <= 2^100,
 // so 16-term sums stay finite) skip the canonical-NaN fix-up of OutBits; plain 16-bit outputs with a finite
@@ -348,7 +349,7 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm)
       for (int pass = 0; pass < kTC / kRowsPerPass; ++pass) {
         const int orl = orl0 + pass * kRowsPerPass;
         const Pair* src = tile + orl * kPairs + ((run0 * kPairsPerRun) ^ ((orl >> 4) << 3));
-        *reinterpret_cast<uint4*>(out + orl * R + run0 * kV) = *reinterpret_cast<const uint4*>(src);
+        __stcs(reinterpret_cast<uint4*>(out + orl * R + run0 * kV), *reinterpret_cast<const uint4*>(src));
       }
     } else {
       for (int q = t; q < kTC * kRunsPerRow; q += kThreads) {
