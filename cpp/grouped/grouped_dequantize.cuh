@@ -7,7 +7,8 @@
 //    to the group, its amax). Stored layouts that keep x's layout (NVFP4 rowwise, MXFP8 both orientations) run
 //    kRuns x 256 segments of 16 elements per unit: each thread decodes its kRuns segments (all loads issued) before
 //    its first store, so more bytes are in flight (the single-tensor FlatKernel's idea); NVFP4 columnwise (stored
-//    x_g.T) runs 64x64 tiles written transposed through shared memory. raw (the GEMM emulation's operand
+//    x_g.T) runs the single-tensor transposed kernel's 128x64 tiles and decodes (TransposedTile), or with the
+//    inverse RHT 64x64 float tiles, written transposed through shared memory. raw (the GEMM emulation's operand
 //    value(q) * s_b) is the single-tensor kBlockOnly mode, without the inverse RHT.
 //  * Generic path (misaligned traced groups and their successors): one thread per internal block of the group's
 //    oriented order, reading codes and the scale slot exactly where the reference does (bounded by the buffers).
@@ -23,6 +24,7 @@
 
 #include "common/convert.cuh"
 #include "dequantize/dequantize.cuh"
+#include "dequantize/transpose.cuh"
 #include "grouped/group_table.cuh"
 
 namespace jax_fp4 {
@@ -57,7 +59,10 @@ __device__ __forceinline__ int64_t DequantUnits(const DequantArgs& a, const Tabl
   const int64_t cnt = t.Count(g), m = t.rows[g], k = t.cols[g];
   if (cnt == 0) return 0;
   if (!DequantTilePath<kKind>(a, t, g)) return CeilDiv(CeilDiv(cnt, bs), kThreads);
-  if (kKind == dequantize::kNvfp4 && a.col) return CeilDiv(k, dequantize::kTile) * CeilDiv(m, dequantize::kTile);
+  if (kKind == dequantize::kNvfp4 && a.col) {
+    if (a.rht && !a.raw) return CeilDiv(k, dequantize::kTile) * CeilDiv(m, dequantize::kTile);
+    return CeilDiv(k, dequantize::kTR) * CeilDiv(m, dequantize::kTC);  // TransposedTile
+  }
   return CeilDiv(m * CeilDiv(k, dequantize::kSeg), int64_t(kThreads) * kRuns);
 }
 
@@ -132,11 +137,63 @@ __device__ __forceinline__ void GenericDequant(const DequantArgs& a, const Table
   }
 }
 
+// NVFP4 columnwise without the inverse RHT (1D / 2D, or raw): unit lu of the group is tile (lu / column tiles,
+// lu % column tiles) of dequantize/transpose.cuh's 128 x 64 tiles of the stored [K_g, M_g] (d: the group as a
+// [1, R, C] tensor, d.out = x_g), decoded by the single-tensor transposed kernel's per-variant routines (LoadRaw,
+// the table / paired decodes) into `tile` and written as x_g rows with bounds checks. Ends with a barrier (the tile
+// is reused by the next unit).
+template <typename Out>
+__device__ __forceinline__ void TransposedTile(const dequantize::Args& d, int64_t lu, dequantize::PairOf<Out>* tile) {
+  namespace dq = dequantize;
+  using Bits = typename std::conditional<sizeof(Out) == 4, uint32_t, uint16_t>::type;
+  constexpr int kV = 16 / int(sizeof(Out)), kPairs = dq::kTR / 2, kRunsPerRow = dq::kTR / kV;
+  const uint32_t c_tiles = uint32_t(CeilDiv(d.C, dq::kTC)), rt = uint32_t(lu) / c_tiles;
+  const dq::TilePos pos{0, 0, int(rt), 0, int(uint32_t(lu) - rt * c_tiles)};
+  const int t = threadIdx.x, j = t >> 2, cg = t & 3;
+  const dq::RawSegments raw = dq::LoadRaw<dq::kTransposePlain>(d, pos, dq::ThreadOffsets(d, j, cg), j, cg);
+  const float amax = dq::TensorAmax<dq::kTransposePlain>(d, 0);
+  const dq::SegmentScale sc[2] = {dq::ScaleOf<dq::kTransposePlain>(d, raw, amax, 0),
+                                  dq::ScaleOf<dq::kTransposePlain>(d, raw, amax, 1)};
+  const bool fast = dq::FastSegment<dq::kTransposePlain>(sc[0]) && dq::FastSegment<dq::kTransposePlain>(sc[1]);
+  dq::PairOf<Out>* const mine = tile + cg * dq::kSeg * kPairs + (j ^ (cg << 3));
+  if constexpr (sizeof(Out) == 2) {
+    if (fast) dq::StoreTablePairs<Out>(sc, mine);
+    else dq::StorePairs<Out, dq::kTransposePlain, false>(sc, mine);
+  } else if (fast) {
+    dq::StorePairs<Out, dq::kTransposePlain, true>(sc, mine);
+  } else {
+    dq::StorePairs<Out, dq::kTransposePlain, false>(sc, mine);
+  }
+  __syncthreads();
+  const int64_t r0 = int64_t(pos.rt) * dq::kTR, c0 = int64_t(pos.ct) * dq::kTC;
+  for (int q = t; q < dq::kTC * kRunsPerRow; q += kThreads) {  // x_g row c0 + orl, columns r0 + run * kV ..
+    const int orl = q / kRunsPerRow, run = q % kRunsPerRow;
+    const int64_t left = d.R - (r0 + run * kV);
+    if (c0 + orl >= d.C || left <= 0) continue;
+    const dq::PairOf<Out>* src = tile + orl * kPairs + ((run * (kV / 2)) ^ ((orl >> 4) << 3));
+    Bits* dst = static_cast<Bits*>(d.out) + (c0 + orl) * d.R + r0 + run * kV;
+    if (d.vector_out && left >= kV) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      const Bits* e = reinterpret_cast<const Bits*>(src);
+#pragma unroll
+      for (int i = 0; i < kV; ++i) {
+        if (i < left) dst[i] = e[i];
+      }
+    }
+  }
+  __syncthreads();
+}
+
 template <typename Out, int kKind>
 __global__ void __launch_bounds__(kThreads) GroupedDequantizeKernel(const DequantArgs a) {
   constexpr bool kNv = kKind == dequantize::kNvfp4;
   constexpr int bs = kNv ? 16 : 32;
-  __shared__ float tile[kNv ? dequantize::kTile : 1][dequantize::kTile + 1];  // NVFP4 columnwise transpose
+  // NVFP4 columnwise: the RHT path's float tile or TransposedTile's output pairs (one buffer, whichever is larger)
+  constexpr int kFloatTile = dequantize::kTile * (dequantize::kTile + 1) * 4;
+  constexpr int kPairTile = dequantize::kTC * dequantize::kTR / 2 * int(sizeof(dequantize::PairOf<Out>));
+  __shared__ __align__(16) uint8_t tile_smem[kNv ? (kFloatTile > kPairTile ? kFloatTile : kPairTile) : 16];
+  auto tile = reinterpret_cast<float(*)[dequantize::kTile + 1]>(tile_smem);
   extern __shared__ int32_t table_smem[];
   Table t = CarveTable(table_smem, a.n, a.size);
   BuildTable(t, a.first_dims, a.last_dims, [&a](const Table& tt, int g) { return DequantUnits<kKind>(a, tt, g); });
@@ -174,7 +231,13 @@ __global__ void __launch_bounds__(kThreads) GroupedDequantizeKernel(const Dequan
     Out* og = out + off;  // x_g [M_g, K_g]
     const bool vector_out = (k * int64_t(sizeof(Out))) % 16 == 0 && reinterpret_cast<uintptr_t>(og) % 16 == 0;
     if constexpr (kNv) {
-      if (transposed) {  // stored [K_g, M_g] -> x_g [M_g, K_g] through shared memory
+      if (transposed && !(a.rht && !a.raw)) {
+        d.out = og;
+        d.vector_out = vector_out;
+        TransposedTile<Out>(d, lu, reinterpret_cast<dequantize::PairOf<Out>*>(tile_smem));
+        continue;
+      }
+      if (transposed) {  // RHT: stored [K_g, M_g] -> x_g [M_g, K_g] through shared memory
         const uint32_t c_tiles = uint32_t(CeilDiv(d.C, dequantize::kTile)), rt = uint32_t(lu) / c_tiles;
         const int64_t r0 = int64_t(rt) * dequantize::kTile;
         const int64_t c0 = int64_t(uint32_t(lu) - rt * c_tiles) * dequantize::kTile;

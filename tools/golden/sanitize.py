@@ -54,6 +54,11 @@ outs += [
     jax_fp4.dequantize(jax_fp4.quantize(xl, M(), axis=0, scale_layout="swizzled"), jnp.float32),
     # transposed NVFP4 whose 33 column tiles pad to 2 bands of 17 (a padding tile column), bf16 table decode
     jax_fp4.dequantize(jax_fp4.quantize(xl[:2112, :520], N(), axis=0)),
+    # grouped NVFP4 columnwise through the single-tensor transposed tiles (an empty group, partial tiles), raw too
+    jax_fp4.grouped_dequantize(jax_fp4.grouped_quantize(xl[:1184, :200], jnp.asarray([640, 0, 448, 96], jnp.int32), N(),
+                                                        axis=0), jnp.bfloat16),
+    jax_fp4.grouped_dequantize(jax_fp4.grouped_quantize(x, jnp.asarray([160, 64, 96], jnp.int32), N(), axis=0),
+                               jnp.float32, raw=True),
     jax_fp4.swizzle_scales(q_mx).scale,  # [40, 3] -> [128, 4]: padding rows and columns
     jax_fp4.unswizzle_scales(q_nv).scale,
     jax_fp4.unswizzle_scales(jax_fp4.swizzle_scales(jax_fp4.quantize(x, N()))).scale,
