@@ -52,7 +52,7 @@ __device__ __forceinline__ bool DequantTilePath(const DequantArgs& a, const Tabl
   return t.off[g] % 16 == 0 && t.Inside(g) && (a.col ? t.rows[g] : t.cols[g]) % bs == 0;
 }
 
-template <int kKind>
+template <int kKind, bool kTiles>
 __device__ __forceinline__ int64_t DequantUnits(const DequantArgs& a, const Table& t, int g) {
   constexpr int bs = kKind == dequantize::kNvfp4 ? 16 : 32;
   if (g == t.n) return CeilDiv(t.size - t.off[t.n], int64_t(kThreads) * 16);
@@ -60,7 +60,7 @@ __device__ __forceinline__ int64_t DequantUnits(const DequantArgs& a, const Tabl
   if (cnt == 0) return 0;
   if (!DequantTilePath<kKind>(a, t, g)) return CeilDiv(CeilDiv(cnt, bs), kThreads);
   if (kKind == dequantize::kNvfp4 && a.col) {
-    if (a.rht && !a.raw) return CeilDiv(k, dequantize::kTile) * CeilDiv(m, dequantize::kTile);
+    if (!kTiles || (a.rht && !a.raw)) return CeilDiv(k, dequantize::kTile) * CeilDiv(m, dequantize::kTile);
     return CeilDiv(k, dequantize::kTR) * CeilDiv(m, dequantize::kTC);  // TransposedTile
   }
   return CeilDiv(m * CeilDiv(k, dequantize::kSeg), int64_t(kThreads) * kRuns);
@@ -185,18 +185,20 @@ __device__ __forceinline__ void TransposedTile(const dequantize::Args& d, int64_
   __syncthreads();
 }
 
-template <typename Out, int kKind>
+// kTiles: NVFP4 columnwise without the inverse RHT through TransposedTile (the launcher's choice for such calls: a
+// separate instantiation, so the other layouts keep the registers and schedule of a kernel without it).
+template <typename Out, int kKind, bool kTiles>
 __global__ void __launch_bounds__(kThreads) GroupedDequantizeKernel(const DequantArgs a) {
   constexpr bool kNv = kKind == dequantize::kNvfp4;
   constexpr int bs = kNv ? 16 : 32;
-  // NVFP4 columnwise: the RHT path's float tile or TransposedTile's output pairs (one buffer, whichever is larger)
+  // NVFP4 columnwise: the float tile, or with kTiles TransposedTile's output pairs (one buffer, the larger size)
   constexpr int kFloatTile = dequantize::kTile * (dequantize::kTile + 1) * 4;
   constexpr int kPairTile = dequantize::kTC * dequantize::kTR / 2 * int(sizeof(dequantize::PairOf<Out>));
-  __shared__ __align__(16) uint8_t tile_smem[kNv ? (kFloatTile > kPairTile ? kFloatTile : kPairTile) : 16];
+  __shared__ __align__(16) uint8_t tile_smem[kNv ? (kTiles && kPairTile > kFloatTile ? kPairTile : kFloatTile) : 16];
   auto tile = reinterpret_cast<float(*)[dequantize::kTile + 1]>(tile_smem);
   extern __shared__ int32_t table_smem[];
   Table t = CarveTable(table_smem, a.n, a.size);
-  BuildTable(t, a.first_dims, a.last_dims, [&a](const Table& tt, int g) { return DequantUnits<kKind>(a, tt, g); });
+  BuildTable(t, a.first_dims, a.last_dims, [&a](const Table& tt, int g) { return DequantUnits<kKind, kTiles>(a, tt, g); });
   Out* out = static_cast<Out*>(a.out);
   for (int64_t u = blockIdx.x; u < t.Total(); u += gridDim.x) {
     const int g = FindGroup(t, int32_t(u));  // uniform over the block
@@ -231,11 +233,13 @@ __global__ void __launch_bounds__(kThreads) GroupedDequantizeKernel(const Dequan
     Out* og = out + off;  // x_g [M_g, K_g]
     const bool vector_out = (k * int64_t(sizeof(Out))) % 16 == 0 && reinterpret_cast<uintptr_t>(og) % 16 == 0;
     if constexpr (kNv) {
-      if (transposed && !(a.rht && !a.raw)) {
-        d.out = og;
-        d.vector_out = vector_out;
-        TransposedTile<Out>(d, lu, reinterpret_cast<dequantize::PairOf<Out>*>(tile_smem));
-        continue;
+      if constexpr (kTiles) {
+        if (transposed && !(a.rht && !a.raw)) {
+          d.out = og;
+          d.vector_out = vector_out;
+          TransposedTile<Out>(d, lu, reinterpret_cast<dequantize::PairOf<Out>*>(tile_smem));
+          continue;
+        }
       }
       if (transposed) {  // RHT: stored [K_g, M_g] -> x_g [M_g, K_g] through shared memory
         const uint32_t c_tiles = uint32_t(CeilDiv(d.C, dequantize::kTile)), rt = uint32_t(lu) / c_tiles;
