@@ -212,14 +212,19 @@ def test_rht_forward_one_hot_rounds_to_bf16():
 
 def test_rht_forward_matches_bf16_rounded_product(rng):
     """Random chunks: forward(v) is v @ H (exact, float64) rounded once to bf16, except where the fp32 butterfly's
-    own rounding (<= 4 adds, each <= 2**-24 relative to max|v|) meets a bf16 rounding boundary: allow one bf16
-    ulp there and demand exact agreement for at least 99% of the entries."""
+    own rounding meets a bf16 rounding boundary. Every butterfly value is at most S = sum|v| of the chunk, so the 4
+    rounded adds and the exact * 1/4 leave the fp32 result within 4 * 2**-24 * S / 4 = 2**-24 * S of v @ H / 4; the
+    bf16 results then differ by at most one bf16 ulp (<= 2**-7 of the larger magnitude) plus that error (x2 margin).
+    The absolute term matters only under heavy cancellation (|v @ H| ~ 1e-6 with S ~ 10: about 2% of draws of 4096
+    entries). Exact agreement is demanded for at least 99% of the entries."""
     v = rng.standard_normal((64, 64)).astype(np.float32)
     got = np.asarray(forward(jnp.asarray(v))).astype(np.float64)
-    exact = (v.astype(np.float64).reshape(64, 4, 16) @ (np.diag(SIGNS) @ _h16() / 4)).reshape(64, 64)
+    chunks = v.astype(np.float64).reshape(64, 4, 16)
+    exact = (chunks @ (np.diag(SIGNS) @ _h16() / 4)).reshape(64, 64)
     want = exact.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
-    ulp = np.abs(want) * 2.0**-7
-    assert np.all(np.abs(got - want) <= ulp)
+    s = np.repeat(np.abs(chunks).sum(axis=-1), 16, axis=-1).reshape(64, 64)
+    tol = np.maximum(np.abs(got), np.abs(want)) * 2.0**-7 + 2.0**-23 * s
+    assert np.all(np.abs(got - want) <= tol)
     assert np.mean(got == want) > 0.99
 
 
