@@ -5,8 +5,9 @@
 // 16-column run lie 16 bytes apart, so reading them per run costs 16 byte loads. Here a 256-thread block owns a tile
 // of 128 rows (4 scale columns) x 128 columns: it first copies the tile's 4 x 128 scales into shared memory (compact,
 // column-major per scale column; when they form one whole 512-byte swizzled tile, as for P == 1 or C % 128 == 0,
-// with one 4-byte load per thread of the first 128) and issues its data loads, then each thread decodes four 16-column runs (rows
-// r0 + 32 m + t / 8, m < 4: run m uses scale column m), reading the run's 16 scales as one 16-byte shared load.
+// with one 4-byte load per thread of the first 128) and issues its data loads, then each thread decodes four
+// 16-column runs (rows r0 + 32 m + t / 8, m < 4: run m uses scale column m), reading the run's 16 scales as one
+// 16-byte shared load.
 // Used when C % 16 == 0 and data and output rows are 16-byte aligned (Args::vector_data / vector_out); R % 32 == 0 as
 // for every MXFP8 columnwise tensor. Grid: P * ceil(R / 128) * ceil(C / 128) blocks. No atomics, no scratch.
 #pragma once

@@ -146,7 +146,8 @@ __device__ __forceinline__ RawSegments LoadRaw(const Args& a, const TilePos& pos
     for (int r = 0; r < 2; ++r) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        if (row_in[r]) (i < 4 ? raw.codes[r].x : raw.codes[r].y) |= uint32_t(__ldg(src + r * (C >> 1) + i)) << (8 * (i & 3));
+        if (!row_in[r]) continue;
+        (i < 4 ? raw.codes[r].x : raw.codes[r].y) |= uint32_t(__ldg(src + r * (C >> 1) + i)) << (8 * (i & 3));
       }
     }
   }

@@ -198,7 +198,8 @@ __global__ void __launch_bounds__(kThreads) GroupedDequantizeKernel(const Dequan
   auto tile = reinterpret_cast<float(*)[dequantize::kTile + 1]>(tile_smem);
   extern __shared__ int32_t table_smem[];
   Table t = CarveTable(table_smem, a.n, a.size);
-  BuildTable(t, a.first_dims, a.last_dims, [&a](const Table& tt, int g) { return DequantUnits<kKind, kTiles>(a, tt, g); });
+  BuildTable(t, a.first_dims, a.last_dims,
+             [&a](const Table& tt, int g) { return DequantUnits<kKind, kTiles>(a, tt, g); });
   Out* out = static_cast<Out*>(a.out);
   for (int64_t u = blockIdx.x; u < t.Total(); u += gridDim.x) {
     const int g = FindGroup(t, int32_t(u));  // uniform over the block
