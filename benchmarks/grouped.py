@@ -61,6 +61,7 @@ VARIANTS = [
     Variant("nvfp4_rht_col", "nvfp4 RHT col", None, NVFP4(rht=True)),
     Variant("dq_nvfp4_row", "dequantize nvfp4 row", NVFP4(), None, dequantize=True),
     Variant("dq_nvfp4_col", "dequantize nvfp4 col", None, NVFP4(), dequantize=True),
+    Variant("dq_nvfp4_rht_col", "dequantize nvfp4 RHT col", None, NVFP4(rht=True), dequantize=True),
     Variant("dq_mxfp8_row", "dequantize mxfp8 row", MXFP8(), None, dequantize=True),
 ]
 

@@ -7,9 +7,9 @@
 //    to the group, its amax). Stored layouts that keep x's layout (NVFP4 rowwise, MXFP8 both orientations) run
 //    kRuns x 256 segments of 16 elements per unit: each thread decodes its kRuns segments (all loads issued) before
 //    its first store, so more bytes are in flight (the single-tensor FlatKernel's idea); NVFP4 columnwise (stored
-//    x_g.T) runs the single-tensor transposed kernel's 128x64 tiles and decodes (TransposedTile), or with the
-//    inverse RHT 64x64 float tiles, written transposed through shared memory. raw (the GEMM emulation's operand
-//    value(q) * s_b) is the single-tensor kBlockOnly mode, without the inverse RHT.
+//    x_g.T) runs the single-tensor transposed kernel's 128x64 tiles and per-variant decodes (TransposedTile: plain
+//    or inverse RHT, each in an instantiation of its own). raw (the GEMM emulation's operand value(q) * s_b) is the
+//    single-tensor kBlockOnly mode, without the inverse RHT.
 //  * Generic path (misaligned traced groups and their successors): one thread per internal block of the group's
 //    oriented order, reading codes and the scale slot exactly where the reference does (bounded by the buffers).
 // Every output element is written exactly once; no atomics, no scratch (CUDA-graph safe).
@@ -52,7 +52,16 @@ __device__ __forceinline__ bool DequantTilePath(const DequantArgs& a, const Tabl
   return t.off[g] % 16 == 0 && t.Inside(g) && (a.col ? t.rows[g] : t.cols[g]) % bs == 0;
 }
 
-template <int kKind, bool kTiles>
+// kTiles: kNoTiles, or the dequantize::TransposeVariant (plain / RHT) whose TransposedTile runs NVFP4 columnwise
+// calls of that variant (other calls take the float tile, so any call is decoded right by any instantiation).
+constexpr int kNoTiles = -1;
+
+template <int kTiles>
+__device__ __forceinline__ bool UseTransposedTile(const DequantArgs& a) {
+  return kTiles != kNoTiles && (a.rht && !a.raw) == (kTiles == dequantize::kTransposeRht);
+}
+
+template <int kKind, int kTiles>
 __device__ __forceinline__ int64_t DequantUnits(const DequantArgs& a, const Table& t, int g) {
   constexpr int bs = kKind == dequantize::kNvfp4 ? 16 : 32;
   if (g == t.n) return CeilDiv(t.size - t.off[t.n], int64_t(kThreads) * 16);
@@ -60,7 +69,7 @@ __device__ __forceinline__ int64_t DequantUnits(const DequantArgs& a, const Tabl
   if (cnt == 0) return 0;
   if (!DequantTilePath<kKind>(a, t, g)) return CeilDiv(CeilDiv(cnt, bs), kThreads);
   if (kKind == dequantize::kNvfp4 && a.col) {
-    if (!kTiles || (a.rht && !a.raw)) return CeilDiv(k, dequantize::kTile) * CeilDiv(m, dequantize::kTile);
+    if (!UseTransposedTile<kTiles>(a)) return CeilDiv(k, dequantize::kTile) * CeilDiv(m, dequantize::kTile);
     return CeilDiv(k, dequantize::kTR) * CeilDiv(m, dequantize::kTC);  // TransposedTile
   }
   return CeilDiv(m * CeilDiv(k, dequantize::kSeg), int64_t(kThreads) * kRuns);
@@ -137,12 +146,12 @@ __device__ __forceinline__ void GenericDequant(const DequantArgs& a, const Table
   }
 }
 
-// NVFP4 columnwise without the inverse RHT (1D / 2D, or raw): unit lu of the group is tile (lu / column tiles,
-// lu % column tiles) of dequantize/transpose.cuh's 128 x 64 tiles of the stored [K_g, M_g] (d: the group as a
-// [1, R, C] tensor, d.out = x_g), decoded by the single-tensor transposed kernel's per-variant routines (LoadRaw,
-// the table / paired decodes) into `tile` and written as x_g rows with bounds checks. Ends with a barrier (the tile
-// is reused by the next unit).
-template <typename Out>
+// NVFP4 columnwise, kVar = dequantize::kTransposePlain (1D / 2D, or raw) or kTransposeRht (inverse RHT): unit lu of
+// the group is tile (lu / column tiles, lu % column tiles) of dequantize/transpose.cuh's 128 x 64 tiles of the stored
+// [K_g, M_g] (d: the group as a [1, R, C] tensor, d.out = x_g), decoded by the single-tensor transposed kernel's
+// per-variant routines (LoadRaw, the table / paired / RHT decodes) into `tile` and written as x_g rows with bounds
+// checks. Ends with a barrier (the tile is reused by the next unit).
+template <typename Out, int kVar>
 __device__ __forceinline__ void TransposedTile(const dequantize::Args& d, int64_t lu, dequantize::PairOf<Out>* tile) {
   namespace dq = dequantize;
   using Bits = typename std::conditional<sizeof(Out) == 4, uint32_t, uint16_t>::type;
@@ -150,13 +159,14 @@ __device__ __forceinline__ void TransposedTile(const dequantize::Args& d, int64_
   const uint32_t c_tiles = uint32_t(CeilDiv(d.C, dq::kTC)), rt = uint32_t(lu) / c_tiles;
   const dq::TilePos pos{0, 0, int(rt), 0, int(uint32_t(lu) - rt * c_tiles)};
   const int t = threadIdx.x, j = t >> 2, cg = t & 3;
-  const dq::RawSegments raw = dq::LoadRaw<dq::kTransposePlain>(d, pos, dq::ThreadOffsets(d, j, cg), j, cg);
-  const float amax = dq::TensorAmax<dq::kTransposePlain>(d, 0);
-  const dq::SegmentScale sc[2] = {dq::ScaleOf<dq::kTransposePlain>(d, raw, amax, 0),
-                                  dq::ScaleOf<dq::kTransposePlain>(d, raw, amax, 1)};
-  const bool fast = dq::FastSegment<dq::kTransposePlain>(sc[0]) && dq::FastSegment<dq::kTransposePlain>(sc[1]);
+  const dq::RawSegments raw = dq::LoadRaw<kVar>(d, pos, dq::ThreadOffsets(d, j, cg), j, cg);
+  const float amax = dq::TensorAmax<kVar>(d, 0);
+  const dq::SegmentScale sc[2] = {dq::ScaleOf<kVar>(d, raw, amax, 0), dq::ScaleOf<kVar>(d, raw, amax, 1)};
+  const bool fast = dq::FastSegment<kVar>(sc[0]) && dq::FastSegment<kVar>(sc[1]);
   dq::PairOf<Out>* const mine = tile + cg * dq::kSeg * kPairs + (j ^ (cg << 3));
-  if constexpr (sizeof(Out) == 2) {
+  if constexpr (kVar == dq::kTransposeRht) {
+    dq::StoreRhtPairs<Out>(sc, fast, mine);
+  } else if constexpr (sizeof(Out) == 2) {
     if (fast) dq::StoreTablePairs<Out>(sc, mine);
     else dq::StorePairs<Out, dq::kTransposePlain, false>(sc, mine);
   } else if (fast) {
@@ -185,16 +195,17 @@ __device__ __forceinline__ void TransposedTile(const dequantize::Args& d, int64_
   __syncthreads();
 }
 
-// kTiles: NVFP4 columnwise without the inverse RHT through TransposedTile (the launcher's choice for such calls: a
+// kTiles: NVFP4 columnwise of that variant through TransposedTile (the launcher's choice for such calls: a
 // separate instantiation, so the other layouts keep the registers and schedule of a kernel without it).
-template <typename Out, int kKind, bool kTiles>
+template <typename Out, int kKind, int kTiles>
 __global__ void __launch_bounds__(kThreads) GroupedDequantizeKernel(const DequantArgs a) {
   constexpr bool kNv = kKind == dequantize::kNvfp4;
   constexpr int bs = kNv ? 16 : 32;
   // NVFP4 columnwise: the float tile, or with kTiles TransposedTile's output pairs (one buffer, the larger size)
   constexpr int kFloatTile = dequantize::kTile * (dequantize::kTile + 1) * 4;
   constexpr int kPairTile = dequantize::kTC * dequantize::kTR / 2 * int(sizeof(dequantize::PairOf<Out>));
-  __shared__ __align__(16) uint8_t tile_smem[kNv ? (kTiles && kPairTile > kFloatTile ? kPairTile : kFloatTile) : 16];
+  __shared__ __align__(16) uint8_t tile_smem[kNv ? (kTiles != kNoTiles && kPairTile > kFloatTile ? kPairTile : kFloatTile)
+                                                 : 16];
   auto tile = reinterpret_cast<float(*)[dequantize::kTile + 1]>(tile_smem);
   extern __shared__ int32_t table_smem[];
   Table t = CarveTable(table_smem, a.n, a.size);
@@ -234,15 +245,15 @@ __global__ void __launch_bounds__(kThreads) GroupedDequantizeKernel(const Dequan
     Out* og = out + off;  // x_g [M_g, K_g]
     const bool vector_out = (k * int64_t(sizeof(Out))) % 16 == 0 && reinterpret_cast<uintptr_t>(og) % 16 == 0;
     if constexpr (kNv) {
-      if constexpr (kTiles) {
-        if (transposed && !(a.rht && !a.raw)) {
+      if constexpr (kTiles != kNoTiles) {
+        if (transposed && UseTransposedTile<kTiles>(a)) {
           d.out = og;
           d.vector_out = vector_out;
-          TransposedTile<Out>(d, lu, reinterpret_cast<dequantize::PairOf<Out>*>(tile_smem));
+          TransposedTile<Out, kTiles>(d, lu, reinterpret_cast<dequantize::PairOf<Out>*>(tile_smem));
           continue;
         }
       }
-      if (transposed) {  // RHT: stored [K_g, M_g] -> x_g [M_g, K_g] through shared memory
+      if (transposed) {  // stored [K_g, M_g] -> x_g [M_g, K_g] through a float tile in shared memory
         const uint32_t c_tiles = uint32_t(CeilDiv(d.C, dequantize::kTile)), rt = uint32_t(lu) / c_tiles;
         const int64_t r0 = int64_t(rt) * dequantize::kTile;
         const int64_t c0 = int64_t(uint32_t(lu) - rt * c_tiles) * dequantize::kTile;

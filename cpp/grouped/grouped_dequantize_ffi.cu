@@ -25,7 +25,7 @@ namespace {
 
 constexpr int32_t kColumnwise = 1, kRht = 2, kRaw = 4;  // jax_fp4/_src/primitives/grouped.py DQ_*
 
-template <typename Out, int kKind, bool kTiles = false>
+template <typename Out, int kKind, int kTiles = grouped::kNoTiles>
 ffi::Error Launch(const grouped::DequantArgs& a, cudaStream_t stream) {
   const size_t smem = grouped::TableBytes(a.n);
   unsigned grid = 0;
@@ -38,8 +38,9 @@ ffi::Error Launch(const grouped::DequantArgs& a, cudaStream_t stream) {
 template <typename Out>
 ffi::Error LaunchKind(int kind, const grouped::DequantArgs& a, cudaStream_t stream) {
   switch (kind) {
-    case dequantize::kNvfp4:  // columnwise without the inverse RHT: the transposed-tile instantiation
-      if (a.col && !(a.rht && !a.raw)) return Launch<Out, dequantize::kNvfp4, true>(a, stream);
+    case dequantize::kNvfp4:  // columnwise: the transposed-tile instantiation of the call's variant
+      if (a.col && a.rht && !a.raw) return Launch<Out, dequantize::kNvfp4, dequantize::kTransposeRht>(a, stream);
+      if (a.col) return Launch<Out, dequantize::kNvfp4, dequantize::kTransposePlain>(a, stream);
       return Launch<Out, dequantize::kNvfp4>(a, stream);
     case dequantize::kMxfp8E4m3: return Launch<Out, dequantize::kMxfp8E4m3>(a, stream);
     default: return Launch<Out, dequantize::kMxfp8E5m2>(a, stream);

@@ -59,6 +59,9 @@ outs += [
                                                         axis=0), jnp.bfloat16),
     jax_fp4.grouped_dequantize(jax_fp4.grouped_quantize(x, jnp.asarray([160, 64, 96], jnp.int32), N(), axis=0),
                                jnp.float32, raw=True),
+    # ... and with the inverse RHT (its own transposed-tile instantiation): an empty group, partial tiles, f16
+    jax_fp4.grouped_dequantize(jax_fp4.grouped_quantize(xl[:1184, :200], jnp.asarray([640, 0, 448, 96], jnp.int32),
+                                                        N(rht=True), axis=0), jnp.float16),
     jax_fp4.swizzle_scales(q_mx).scale,  # [40, 3] -> [128, 4]: padding rows and columns
     jax_fp4.unswizzle_scales(q_nv).scale,
     jax_fp4.unswizzle_scales(jax_fp4.swizzle_scales(jax_fp4.quantize(x, N()))).scale,
