@@ -13,7 +13,10 @@ covers K kernels and no input stays in L2); after warm-up, up to `iters` calls (
 The best of `repeats` runs is reported. The scale-layout ops (swizzle / unswizzle) move only the scales (a few MB,
 a few µs), so they run over K_SCALES = 32 scale arrays per call (else the Python dispatch, not the GPU, is timed) and
 their rows also report a device-to-device copy of the same scale arrays timed the same way ("% same-size copy":
-the fraction of what a copy of those bytes reaches, launch and tail effects included).
+the fraction of what a copy of those bytes reaches, launch and tail effects included). Rows whose output is x's
+layout transposed from the stored data (NVFP4 columnwise) also report their bandwidth as a fraction of an XLA
+transpose of the bf16 x measured in the same run (jit(jnp.transpose), read + write bytes; "% transpose"), a
+reference for what a transposing access pattern reaches on the device.
 
 Usage: python benchmarks/dequantize.py [--shapes default|small|MxK,...] [--variants id,...] [--iters 20]
                                        [--repeats 3] [--out benchmarks/results/dequantize.json]
@@ -107,8 +110,10 @@ def main():
                                                              inputs="inputs")
     timing = dict(iters=args.iters, repeats=args.repeats)
     rows, t_start = results["rows"], time.perf_counter()
+    results["transpose_GBps"] = {}
     for si, sname, shape, bufs, copy_gbs in bench.shape_buffers(shapes, results, K, KEY, **timing):
         first = si == 0
+        transpose_gbs = None  # measured when the first transposing variant of the shape runs
         quantized = {}
         for v in variants:
             key = (v.fmt, v.axis, v.layout)
@@ -133,28 +138,38 @@ def main():
                 del got, want
             gbs = ob / t / 1e9
             same_pct = None if same_size_copy_t is None else 100 * same_size_copy_t / t
+            transposing = v.op == "dequantize" and v.axis == 0 and isinstance(v.fmt, NVFP4)
+            if transposing and transpose_gbs is None:
+                t_tr, _ = bench.time_over_buffers(jnp.transpose, bufs, **timing)
+                transpose_gbs = results["transpose_GBps"][sname] = 2 * bench.tree_bytes(bufs[0]) / t_tr / 1e9
+                print(f"[{sname}] XLA transpose bandwidth {transpose_gbs / 1e3:.2f} TB/s ({t_tr * 1e6:.1f} µs)")
+            transpose_pct = 100 * gbs / transpose_gbs if transposing else None
             row = {
                 "variant": v.name, "id": v.id, "op": v.op, "shape_name": sname, "shape": list(shape),
                 "out_dtype": jnp.dtype(v.dtype).name if v.op == "dequantize" else None, "layout": v.layout,
                 "us": t * 1e6, "bytes": ob, "GBps": gbs, "pct_copy_bw": 100 * gbs / copy_gbs,
                 "same_size_copy_us": bench.micros(same_size_copy_t), "pct_same_size_copy": same_pct,
+                "pct_transpose_bw": transpose_pct,
                 "ref_us": bench.micros(t_ref), "speedup_vs_ref": bench.ratio(t_ref, t), "bit_exact_vs_ref": bit_exact,
             }
             rows.append(row)
             same = "" if same_pct is None else f" ({same_pct:.0f}% of a same-size copy)"
+            same += "" if transpose_pct is None else f" ({transpose_pct:.0f}% of an XLA transpose)"
             print(f"  {v.name:<30} {row['us']:>9.1f} µs {gbs:>7.0f} GB/s {row['pct_copy_bw']:>5.1f}%{same} "
                   f"(t={time.perf_counter() - t_start:.0f}s)", flush=True)
         del bufs, quantized
 
     bench.print_summary(results, "bytes = data + scales + amaxes read once, output written once (float4 at 4 bits); "
-                        "% same = a same-size copy's µs / this row's µs (scale-layout ops); "
+                        "% same = a same-size copy's µs / this row's µs (scale-layout ops); % transp = this row's "
+                        "GB/s / an XLA bf16 transpose's (NVFP4 columnwise); "
                         "vs ref = the jitted reference's µs / this row's µs (first shape only)")
 
     bench.print_table(
         [("variant", "<30"), ("shape", "<32"), ("µs", ">9"), ("GB/s", ">7"), ("% copy", ">7"), ("% same", ">7"),
-         ("vs ref", ">8"), ("exact", ">5")],
+         ("% transp", ">8"), ("vs ref", ">8"), ("exact", ">5")],
         [(r["variant"], r["shape_name"], f"{r['us']:.1f}", f"{r['GBps']:.0f}", f"{r['pct_copy_bw']:.1f}%",
           bench.fmt(r["pct_same_size_copy"], ".1f") + ("%" if r["pct_same_size_copy"] is not None else ""),
+          bench.fmt(r["pct_transpose_bw"], ".1f") + ("%" if r["pct_transpose_bw"] is not None else ""),
           bench.fmt_speedup(r["speedup_vs_ref"]), bench.fmt_exact(r["bit_exact_vs_ref"])) for r in rows])
     bench.finish_run(results, args.out, t_start)
 
