@@ -12,9 +12,11 @@
 // carries no RHT or division code. Values that cannot produce NaN (finite multiplier; for RHT |multiplier| <= 2^100,
 // so 16-term sums stay finite) skip the canonical-NaN fix-up of OutBits; plain 16-bit outputs with a finite
 // multiplier look their values up in a per-segment table (HalfTable).
-// Persistent grid (kTransposeBlocksPerSm blocks per SM); each block grid-strides over the tiles in band order and
-// loads the next tile's codes and scales before decoding the current one, so the loads overlap the decode, barrier
-// and stores. No atomics, no scratch.
+// Grid: RHT / 1x64 with 16-bit outputs run a persistent grid (kTransposeBlocksPerSm blocks per SM): each block
+// grid-strides over the tiles in band order and loads the next tile's codes and scales before decoding the current
+// one, so the loads overlap the decode, barrier and stores. The plain variant and f32 RHT outputs run one block per
+// tile (the same kernel, one trip through its loop), the hardware scheduling blocks in band order (TileGridPerTile).
+// No atomics, no scratch.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -40,6 +42,16 @@ constexpr int kTR = 128, kTC = 64;
 // order by up to 20 % at 16384x14336.
 constexpr int kTransposeBlocksPerSm = 4, kMaxBand = 32;
 enum TransposeVariant : int { kTransposePlain = 0, kTransposeRht = 1, kTransposeLocal = 2 };
+
+// One block per tile instead of the persistent grid. Measured on an H100 (session 10, dequantize_check.cu, % of a
+// cudaMemcpy at 8192^2 / 16384x4096 / 16384x14336): plain bf16 84.5 / 84.0 / 81.9 -> 85.1 / 84.2 / 85.9, plain f32
+// 87.0 / 86.7 / 84.2 -> 91.9 / 91.4 / 90.3, RHT f32 85.7 / 85.4 / 83.1 -> 90.7 / 90.2 / 89.8; but RHT bf16
+// 83.5 / 83.5 / 82.1 -> 73.9 / 73.5 / 74.4 and 1x64 bf16 80.3 / 81.2 / 80.3 -> 71.8 / 71.3 / 72.1 (their heavier
+// decodes need the persistent grid's prefetch to overlap the loads).
+template <typename Out, int kVar>
+constexpr bool TileGridPerTile() {
+  return kVar == kTransposePlain || (kVar == kTransposeRht && sizeof(Out) == 4);
+}
 
 template <typename Out>
 using PairOf = typename std::conditional<sizeof(Out) == 4, uint2, uint32_t>::type;  // one output pair's bits
@@ -383,12 +395,14 @@ cudaError_t LaunchTransposeVariant(const Args& a, cudaStream_t stream) {
   const int64_t bands = (col_tiles + kMaxBand - 1) / kMaxBand, g = (col_tiles + bands - 1) / bands;
   const int64_t tiles = a.P * row_tiles * bands * g;
   if (tiles >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
-  unsigned grid = 0;
-  const cudaError_t err = PersistentGrid(TransposeKernel<Out, kVar>, kThreads, 0, &grid);
-  if (err != cudaSuccess) return err;
-  int sms = 0;
-  if (NumSms(&sms) == cudaSuccess && sms > 0) grid = std::min(grid, unsigned(kTransposeBlocksPerSm * sms));
-  if (int64_t(grid) > tiles) grid = unsigned(tiles);
+  unsigned grid = unsigned(tiles);
+  if constexpr (!TileGridPerTile<Out, kVar>()) {
+    const cudaError_t err = PersistentGrid(TransposeKernel<Out, kVar>, kThreads, 0, &grid);
+    if (err != cudaSuccess) return err;
+    int sms = 0;
+    if (NumSms(&sms) == cudaSuccess && sms > 0) grid = std::min(grid, unsigned(kTransposeBlocksPerSm * sms));
+    if (int64_t(grid) > tiles) grid = unsigned(tiles);
+  }
   TransposeKernel<Out, kVar><<<grid, kThreads, 0, stream>>>(a, int(row_tiles), int(col_tiles), int(g));
   return cudaGetLastError();
 }
