@@ -12,24 +12,22 @@
 // carries no RHT or division code. Values that cannot produce NaN (finite multiplier; for RHT |multiplier| <= 2^100,
 // so 16-term sums stay finite) skip the canonical-NaN fix-up of OutBits; plain 16-bit outputs with a finite
 // multiplier look their values up in a per-segment table (HalfTable).
-// Grid: RHT / 1x64 with 16-bit outputs run a persistent grid (kTransposeBlocksPerSm blocks per SM): each block
-// grid-strides over the tiles in band order and loads the next tile's codes and scales before decoding the current
-// one, so the loads overlap the decode, barrier and stores. The plain variant and f32 RHT outputs run one block per
-// tile (the same kernel, one trip through its loop), the hardware scheduling blocks in band order (TileGridPerTile).
-// No atomics, no scratch.
+// Grid: each block grid-strides over the tiles in band order and loads the next tile's codes and scales before
+// decoding the current one, so the loads overlap the decode, barrier and stores. RHT / 1x64 with 16-bit outputs run
+// half as many blocks as tiles (two tiles a block: the second one's loads overlap the first one's work); the plain
+// variant and f32 RHT outputs one block per tile (one trip through the loop), the hardware scheduling the blocks in
+// band order (TileGridPerTile). No atomics, no scratch.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
 #include "common/convert.cuh"
 #include "common/scale_layout.cuh"
-#include "common/sm_count.h"
 #include "dequantize/args.cuh"
 #include "dequantize/decode.cuh"
 
@@ -43,11 +41,14 @@ constexpr int kTR = 128, kTC = 64;
 constexpr int kTransposeBlocksPerSm = 4, kMaxBand = 32;
 enum TransposeVariant : int { kTransposePlain = 0, kTransposeRht = 1, kTransposeLocal = 2 };
 
-// One block per tile instead of the persistent grid. Measured on an H100 (session 10, dequantize_check.cu, % of a
-// cudaMemcpy at 8192^2 / 16384x4096 / 16384x14336): plain bf16 84.5 / 84.0 / 81.9 -> 85.1 / 84.2 / 85.9, plain f32
-// 87.0 / 86.7 / 84.2 -> 91.9 / 91.4 / 90.3, RHT f32 85.7 / 85.4 / 83.1 -> 90.7 / 90.2 / 89.8; but RHT bf16
-// 83.5 / 83.5 / 82.1 -> 73.9 / 73.5 / 74.4 and 1x64 bf16 80.3 / 81.2 / 80.3 -> 71.8 / 71.3 / 72.1 (their heavier
-// decodes need the persistent grid's prefetch to overlap the loads).
+// One block per tile instead of a persistent grid (kTransposeBlocksPerSm blocks an SM). Measured on an H100 (session
+// 10, dequantize_check.cu, % of a cudaMemcpy at 8192^2 / 16384x4096 / 16384x14336): plain bf16 84.5 / 84.0 / 81.9 ->
+// 85.1 / 84.2 / 85.9, plain f32 87.0 / 86.7 / 84.2 -> 91.9 / 91.4 / 90.3, RHT f32 85.7 / 85.4 / 83.1 ->
+// 90.7 / 90.2 / 89.8; but RHT bf16 83.5 / 83.5 / 82.1 -> 73.9 / 73.5 / 74.4 and 1x64 bf16 80.3 / 81.2 / 80.3 ->
+// 71.8 / 71.3 / 72.1 (their heavier decodes need the next tile's loads in flight). Those run two tiles a block
+// instead of the persistent grid: RHT bf16 83.0 / 83.3 / 82.3 -> 83.0 / 84.1 / 83.9, RHT swizzled f16
+// 84.2 / 83.4 / 81.9 -> 85.8 / 86.3 / 86.6, 1x64 bf16 79.5 / 80.7 / 80.1 -> 81.3 / 82.5 / 81.0 (four tiles a block:
+// between the two).
 template <typename Out, int kVar>
 constexpr bool TileGridPerTile() {
   return kVar == kTransposePlain || (kVar == kTransposeRht && sizeof(Out) == 4);
@@ -396,13 +397,7 @@ cudaError_t LaunchTransposeVariant(const Args& a, cudaStream_t stream) {
   const int64_t tiles = a.P * row_tiles * bands * g;
   if (tiles >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
   unsigned grid = unsigned(tiles);
-  if constexpr (!TileGridPerTile<Out, kVar>()) {
-    const cudaError_t err = PersistentGrid(TransposeKernel<Out, kVar>, kThreads, 0, &grid);
-    if (err != cudaSuccess) return err;
-    int sms = 0;
-    if (NumSms(&sms) == cudaSuccess && sms > 0) grid = std::min(grid, unsigned(kTransposeBlocksPerSm * sms));
-    if (int64_t(grid) > tiles) grid = unsigned(tiles);
-  }
+  if constexpr (!TileGridPerTile<Out, kVar>()) grid = unsigned((tiles + 1) / 2);  // two tiles a block
   TransposeKernel<Out, kVar><<<grid, kThreads, 0, stream>>>(a, int(row_tiles), int(col_tiles), int(g));
   return cudaGetLastError();
 }
