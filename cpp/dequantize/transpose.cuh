@@ -35,9 +35,9 @@ namespace jax_fp4 {
 namespace dequantize {
 
 constexpr int kTR = 128, kTC = 64;
-// Resident blocks per SM (the persistent grid) and column tiles per band (TilePos). Measured on an H100
-// (tools/kernel_check/dequantize_check.cu, session 9): 4 blocks beat 5 by 1-3 %, bands of 32 beat column-tile-first
-// order by up to 20 % at 16384x14336.
+// Resident blocks per SM (__launch_bounds__: at most 64 registers) and column tiles per band (TilePos). Measured on
+// an H100 (tools/kernel_check/dequantize_check.cu, session 9, then with a persistent grid): 4 blocks beat 5 by 1-3 %,
+// bands of 32 beat column-tile-first order by up to 20 % at 16384x14336.
 constexpr int kTransposeBlocksPerSm = 4, kMaxBand = 32;
 enum TransposeVariant : int { kTransposePlain = 0, kTransposeRht = 1, kTransposeLocal = 2 };
 
