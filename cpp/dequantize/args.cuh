@@ -36,7 +36,22 @@ struct Args {
   bool vector_data;  // C % 16 == 0 and aligned pointers: data (and compact MX columnwise scales) as vectors
   bool vector_out;   // 16-element output runs start 16-byte aligned
   bool small;        // every flat segment index fits in 32 bits
+  uint32_t c_magic;  // FlatKernel with 32-bit indices: e / C == umulhi(e, c_magic) >> c_shift for e < 2^31
+  int c_shift;
 };
+
+// Sets c_magic / c_shift for C >= 2 (false for C < 2). Granlund-Montgomery: with l = ceil(log2 C), p = 31 + l and
+// m = ceil(2^p / C) (< 2^32), 2^p <= m * C < 2^p + C <= 2^p + 2^(p - 31), so floor(e * m / 2^p) = floor(e / C) for
+// every e < 2^31; the shift is p - 32 after the high word of the product.
+inline bool SetRowDivisor(Args& a) {
+  if (a.C < 2 || a.C >= (int64_t(1) << 31)) return false;
+  int l = 0;
+  while ((int64_t(1) << l) < a.C) ++l;
+  const uint64_t p2 = uint64_t(1) << (31 + l);
+  a.c_magic = uint32_t((p2 + uint64_t(a.C) - 1) / uint64_t(a.C));
+  a.c_shift = l - 1;
+  return true;
+}
 
 __device__ __forceinline__ int64_t ScaleIndex(const Args& a, int64_t row, int64_t col, int64_t cols) {
   return (a.flags & kSwizzled) ? layout::SwizzledIndex(row, col, a.scale_cols_padded) : row * cols + col;
@@ -56,13 +71,10 @@ __device__ __forceinline__ float SubFtz(float a, float b) {
   return r;
 }
 
-// Inverse RHT of one 16-chunk in fp32 (NUMERICS.md section 2): flush, butterfly (flushed), * 0.25 (flushed), then
-// the signs. The flushes ride on the ftz adds (the first stage flushes its inputs); the last step multiplies by
-// -0.25 where the sign flips (RN and the flush are sign-symmetric) and flushes with an ftz add of -0 (x + -0 == x,
-// -0 + -0 == -0). The product is not taken with mul.ftz: an exact product just below FLT_MIN that rounds up to
-// FLT_MIN must stay FLT_MIN, which a flush decided before rounding would not guarantee.
-__device__ __forceinline__ void RhtInverse16(float (&v)[16]) {
-  constexpr uint32_t kSignMask = 0xD7E8u;
+constexpr uint32_t kRhtSignMask = 0xD7E8u;  // bit i: output i of the inverse transform is negated
+
+// The four butterfly stages of the inverse RHT, each sum flushed (the first stage also flushes its inputs).
+__device__ __forceinline__ void RhtButterfly16(float (&v)[16]) {
 #pragma unroll
   for (int h = 1; h < 16; h <<= 1) {
 #pragma unroll
@@ -74,9 +86,26 @@ __device__ __forceinline__ void RhtInverse16(float (&v)[16]) {
       }
     }
   }
-#pragma unroll
-  for (int i = 0; i < 16; ++i) v[i] = AddFtz(__fmul_rn(v[i], ((kSignMask >> i) & 1u) ? -0.25f : 0.25f), -0.0f);
 }
+
+// Inverse RHT of one 16-chunk in fp32 (NUMERICS.md section 2): flush, butterfly (flushed), * 0.25 (flushed), then
+// the signs. The flushes ride on the ftz adds (the first stage flushes its inputs); the last step multiplies by
+// -0.25 where the sign flips (RN and the flush are sign-symmetric) and flushes with an ftz add of -0 (x + -0 == x,
+// -0 + -0 == -0). The product is not taken with mul.ftz: an exact product just below FLT_MIN that rounds up to
+// FLT_MIN must stay FLT_MIN, which a flush decided before rounding would not guarantee.
+__device__ __forceinline__ void RhtInverse16(float (&v)[16]) {
+  RhtButterfly16(v);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = AddFtz(__fmul_rn(v[i], ((kRhtSignMask >> i) & 1u) ? -0.25f : 0.25f), -0.0f);
+}
+
+// RHT chunks whose block multiplier m (value = value(q) * m) satisfies 2^-100 <= |m| <= 2^100 never meet a
+// subnormal or an overflow: every nonzero value RN(q * m / 4) and every nonzero butterfly sum is a multiple of
+// 2^(E - 23), E = floor(log2(|m| / 8)) >= -103, so at least 2^-126, and |sums| <= 96 |m| / 4. Then every flush of
+// RhtInverse16 is a no-op and scaling by 4 commutes with each rounding, so its outputs are the butterfly of
+// RN(q * (m / 4)) (m / 4 exact) with the signs of kRhtSignMask applied last (sign-symmetric rounding; a zero gets
+// its sign flipped exactly as * -0.25 does). RhtScaleFree tells such chunks.
+__device__ __forceinline__ bool RhtScaleFree(float m) { return fabsf(m) >= 0x1p-100f && fabsf(m) <= 0x1p100f; }
 
 
 // NVFP4 1x64: x = value(q) * s_b (exact) divided by the window's S_enc, correctly rounded, without a division per

@@ -10,13 +10,12 @@
 // with evict-first stores, st.global.cs: 0-3 % faster on an H100 than default stores, more for f32 outputs).
 // The decode is specialised per variant (kTransposePlain / kTransposeRht / kTransposeLocal), so the common 1D case
 // carries no RHT or division code. Values that cannot produce NaN (finite multiplier; for RHT |multiplier| <= 2^100,
-// so 16-term sums stay finite) skip the canonical-NaN fix-up of OutBits; plain 16-bit outputs with a finite
-// multiplier look their values up in a per-segment table (HalfTable).
-// Grid: each block grid-strides over the tiles in band order and loads the next tile's codes and scales before
-// decoding the current one, so the loads overlap the decode, barrier and stores. RHT / 1x64 with 16-bit outputs run
-// half as many blocks as tiles (two tiles a block: the second one's loads overlap the first one's work); the plain
-// variant and f32 RHT outputs one block per tile (one trip through the loop), the hardware scheduling the blocks in
-// band order (TileGridPerTile). No atomics, no scratch.
+// so 16-term sums stay finite) skip the canonical-NaN fix-up of OutBits. 16-bit outputs of finite plain multipliers
+// and of 1x64 segments in a safe window look their values up in a per-segment table (half_table.cuh); 16-bit RHT
+// outputs of multipliers in [2^-100, 2^100] skip the flushes and the final * +-0.25 (RhtScaleFree in args.cuh).
+// Grid (TileGridPerTile): blocks take the tiles in band order. 16-bit plain and 1x64 outputs run one block per tile,
+// 6 blocks an SM; 16-bit RHT and f32 1x64 outputs two tiles a block, loading the second tile's codes and scales
+// before decoding the first; f32 plain / RHT outputs one block per tile, 4 blocks an SM. No atomics, no scratch.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -30,6 +29,7 @@
 #include "common/scale_layout.cuh"
 #include "dequantize/args.cuh"
 #include "dequantize/decode.cuh"
+#include "dequantize/half_table.cuh"
 
 namespace jax_fp4 {
 namespace dequantize {
@@ -39,19 +39,36 @@ constexpr int kTR = 128, kTC = 64;
 // an H100 (tools/kernel_check/dequantize_check.cu, session 9, then with a persistent grid): 4 blocks beat 5 by 1-3 %,
 // bands of 32 beat column-tile-first order by up to 20 % at 16384x14336.
 constexpr int kTransposeBlocksPerSm = 4, kMaxBand = 32;
+constexpr int kTransposeBlocksPerSm16 = 6;  // one-tile blocks with 16-bit outputs (TransposeBlocksPerSm)
+constexpr int kTilesPerBlock = 2;           // RHT with 16-bit outputs, 1x64 with f32 outputs (TileGridPerTile)
 enum TransposeVariant : int { kTransposePlain = 0, kTransposeRht = 1, kTransposeLocal = 2 };
 
-// One block per tile instead of a persistent grid (kTransposeBlocksPerSm blocks an SM). Measured on an H100 (session
-// 10, dequantize_check.cu, % of a cudaMemcpy at 8192^2 / 16384x4096 / 16384x14336): plain bf16 84.5 / 84.0 / 81.9 ->
-// 85.1 / 84.2 / 85.9, plain f32 87.0 / 86.7 / 84.2 -> 91.9 / 91.4 / 90.3, RHT f32 85.7 / 85.4 / 83.1 ->
-// 90.7 / 90.2 / 89.8; but RHT bf16 83.5 / 83.5 / 82.1 -> 73.9 / 73.5 / 74.4 and 1x64 bf16 80.3 / 81.2 / 80.3 ->
-// 71.8 / 71.3 / 72.1 (their heavier decodes need the next tile's loads in flight). Those run two tiles a block
-// instead of the persistent grid: RHT bf16 83.0 / 83.3 / 82.3 -> 83.0 / 84.1 / 83.9, RHT swizzled f16
-// 84.2 / 83.4 / 81.9 -> 85.8 / 86.3 / 86.6, 1x64 bf16 79.5 / 80.7 / 80.1 -> 81.3 / 82.5 / 81.0 (four tiles a block:
-// between the two).
+// Grid shape per variant and output width: one block per tile, or kTilesPerBlock tiles a block with the next tile's
+// loads issued before the current tile's decode. Measured on an H100 (dequantize_check.cu, % of a cudaMemcpy at
+// 8192^2 / 16384x4096 / 16384x14336).
+//  * Session 10, against a persistent grid: plain bf16 84.5 / 84.0 / 81.9 -> 85.1 / 84.2 / 85.9, plain f32
+//    87.0 / 86.7 / 84.2 -> 91.9 / 91.4 / 90.3, RHT f32 85.7 / 85.4 / 83.1 -> 90.7 / 90.2 / 89.8 with one tile a block;
+//    RHT bf16 lost 8-10 % that way (83.5 -> 73.9 at 8192^2), and with two tiles a block it gained: 83.0 / 84.1 / 83.9
+//    (RHT swizzled f16 85.8 / 86.3 / 86.6; three or four tiles a block: slower).
+//  * Session 11, 16-bit outputs, one-tile blocks compiled without the load-ahead (fewer registers) and 6 resident
+//    blocks an SM instead of 4: plain bf16 85.3 / 84.4 / 86.2 -> 89.1 / 88.3 / 89.5, 1x64 bf16 (with its table
+//    decode) 84.2 / 84.2 / 84.5 -> 86.0 / 84.7 / 85.9; RHT bf16 with one tile a block and 5 / 6 blocks: 81.1 / 72.7
+//    at 8192^2 against 83.1 for two tiles a block and 4 blocks (5 blocks there: 82.3). f32 outputs keep 4 blocks (their
+//    tiles take twice the shared memory; plain f32 at 6 blocks: 88.7 against 92.2).
 template <typename Out, int kVar>
 constexpr bool TileGridPerTile() {
-  return kVar == kTransposePlain || (kVar == kTransposeRht && sizeof(Out) == 4);
+  return sizeof(Out) == 2 ? kVar != kTransposeRht : kVar != kTransposeLocal;
+}
+
+// The kernel loads the next tile ahead: multi-tile blocks, and (as measured in session 10) the f32 one-tile kernels.
+template <typename Out, int kVar>
+constexpr bool TransposeLoadAhead() {
+  return !TileGridPerTile<Out, kVar>() || sizeof(Out) == 4;
+}
+
+template <typename Out, int kVar>
+constexpr int TransposeBlocksPerSm() {
+  return sizeof(Out) == 2 && TileGridPerTile<Out, kVar>() ? kTransposeBlocksPerSm16 : kTransposeBlocksPerSm;
 }
 
 template <typename Out>
@@ -65,12 +82,8 @@ __device__ __forceinline__ PairOf<Out> PackPair(float lo, float hi) {
                    : make_uint2(OutBits<float>(lo), OutBits<float>(hi));
   } else if constexpr (!kFinite) {
     return OutBits<Out>(lo) | (OutBits<Out>(hi) << 16);
-  } else if constexpr (std::is_same<Out, __half>::value) {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h);
   } else {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h);
+    return FinitePair16<Out>(lo, hi);
   }
 }
 
@@ -236,54 +249,21 @@ __device__ __forceinline__ void StorePairs(const SegmentScale (&s)[2], PairOf<Ou
   }
 }
 
-// 16-bit outputs of a finite multiplier m (plain variant): value(code) * m rounded to Out depends on the code's
-// magnitude (8 values) and sign only, and RN is sign-symmetric, so a segment rounds the 8 products
-// RN(RN_f32(q * m)) once (the same two roundings as PackPair) into a byte-split table: lo[0] / lo[1] hold the low
-// bytes of magnitudes 0..3 / 4..7, hi[] the high bytes. Four codes then look up their low and high bytes with one
-// byte permute each (selector: the codes' magnitude bits), and the code's sign flips bit 15 (XOR: m may be
-// negative, zero products keep the sign of m, as q * m does).
-struct HalfTable {
-  uint32_t lo[2], hi[2];
-};
-
+// 16-bit outputs with finite multipliers (plain variant; 1x64 with a safe window): both rows' 16 codes through their
+// tables (half_table.cuh), paired per column.
 template <typename Out>
-__device__ __forceinline__ HalfTable MakeHalfTable(float m) {
-  uint32_t t[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    constexpr float kMag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-    t[i] = PackPair<Out, true>(__fmul_rn(kMag[2 * i], m), __fmul_rn(kMag[2 * i + 1], m));
-  }
-  return HalfTable{{__byte_perm(t[0], t[1], 0x6420u), __byte_perm(t[2], t[3], 0x6420u)},
-                   {__byte_perm(t[0], t[1], 0x7531u), __byte_perm(t[2], t[3], 0x7531u)}};
-}
-
-// Plain, 16-bit outputs, finite multipliers: both rows' 16 codes through their tables, paired per column.
-template <typename Out>
-__device__ __forceinline__ void StoreTablePairs(const SegmentScale (&s)[2], PairOf<Out>* dst) {
-  const HalfTable tab[2] = {MakeHalfTable<Out>(s[0].mult), MakeHalfTable<Out>(s[1].mult)};
+__device__ __forceinline__ void StoreTablePairs(const HalfTable (&tab)[2], const SegmentScale (&s)[2],
+                                                PairOf<Out>* dst) {
 #pragma unroll
   for (int w = 0; w < 2; ++w) {  // code word: codes 8w .. 8w + 7 of each row
-    uint32_t lo[2][2], hi[2][2];  // [row][codes 4k .. 4k + 3 of the word]: one byte per code
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const uint32_t word = w ? s[r].codes.y : s[r].codes.x;
-      // Sign bits at bit 7 of each byte, codes in order: byte k of word << 4 / word has code 2k's / 2k + 1's.
-      const uint32_t even = word << 4;
-      const uint32_t sign[2] = {__byte_perm(even, word, 0x5140u), __byte_perm(even, word, 0x7362u)};
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const uint32_t sel = (word >> (16 * k)) & 0x7777u;
-        lo[r][k] = __byte_perm(tab[r].lo[0], tab[r].lo[1], sel);
-        hi[r][k] = __byte_perm(tab[r].hi[0], tab[r].hi[1], sel) ^ (sign[k] & 0x80808080u);
-      }
-    }
+    const HalfBytes b[2] = {LookUp8(tab[0], w ? s[0].codes.y : s[0].codes.x),
+                            LookUp8(tab[1], w ? s[1].codes.y : s[1].codes.x)};
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // codes 4k + 2 half, + 1: the two rows' bytes interleaved
         const uint32_t sel = half ? 0x7362u : 0x5140u;
-        const uint32_t x = __byte_perm(lo[0][k], lo[1][k], sel), y = __byte_perm(hi[0][k], hi[1][k], sel);
+        const uint32_t x = __byte_perm(b[0].lo[k], b[1].lo[k], sel), y = __byte_perm(b[0].hi[k], b[1].hi[k], sel);
         const int c = 8 * w + 4 * k + 2 * half;
         dst[c * (kTR / 2)] = __byte_perm(x, y, 0x5140u);
         dst[(c + 1) * (kTR / 2)] = __byte_perm(x, y, 0x7362u);
@@ -292,9 +272,52 @@ __device__ __forceinline__ void StoreTablePairs(const SegmentScale (&s)[2], Pair
   }
 }
 
+// Plain variant: the tables of the two rows' multipliers.
+template <typename Out>
+__device__ __forceinline__ void StoreTablePairs(const SegmentScale (&s)[2], PairOf<Out>* dst) {
+  const HalfTable tab[2] = {MakeHalfTable<Out>(s[0].mult), MakeHalfTable<Out>(s[1].mult)};
+  StoreTablePairs<Out>(tab, s, dst);
+}
+
+// 1x64 with safe windows and finite block scales (s.mult = s_b, s.enc = the window's S_enc).
+template <typename Out>
+__device__ __forceinline__ void StoreLocalTablePairs(const SegmentScale (&s)[2], PairOf<Out>* dst) {
+  const HalfTable tab[2] = {MakeLocalHalfTable<Out>(s[0].mult, WindowDivisor::Of(s[0].enc)),
+                            MakeLocalHalfTable<Out>(s[1].mult, WindowDivisor::Of(s[1].enc))};
+  StoreTablePairs<Out>(tab, s, dst);
+}
+
+// RHT, 16-bit outputs, both rows' multipliers RhtScaleFree (args.cuh): the butterfly of RN(q * m / 4), the 16
+// pairs converted once and the negated outputs' sign bits flipped in the packed pairs (both rows share the signs).
+template <typename Out>
+__device__ __forceinline__ void StoreRhtPairsScaleFree(const SegmentScale (&s)[2], PairOf<Out>* dst) {
+  float v[2][16];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float q[2][8];
+    E2M1xN<8>(s[r].codes.x, q[0]);
+    E2M1xN<8>(s[r].codes.y, q[1]);
+    const float m4 = __fmul_rn(s[r].mult, 0.25f);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[r][i] = __fmul_rn(q[i >> 3][i & 7], m4);
+    RhtButterfly16(v[r]);
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t p = FinitePair16<Out>(v[0][i], v[1][i]);
+    dst[i * (kTR / 2)] = ((kRhtSignMask >> i) & 1u) ? p ^ 0x80008000u : p;
+  }
+}
+
 // RHT: both rows' 16 values through the inverse transform, then the 16 pairs.
 template <typename Out>
 __device__ __forceinline__ void StoreRhtPairs(const SegmentScale (&s)[2], bool fast, PairOf<Out>* dst) {
+  if constexpr (sizeof(Out) == 2) {
+    if (fast && RhtScaleFree(s[0].mult) && RhtScaleFree(s[1].mult)) {
+      StoreRhtPairsScaleFree<Out>(s, dst);
+      return;
+    }
+  }
   float v[2][16];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -318,7 +341,7 @@ __device__ __forceinline__ void StoreRhtPairs(const SegmentScale (&s)[2], bool f
 // moment cover neighbouring tiles, and loads each tile's codes and scales while it decodes and writes out the
 // previous one. g: column tiles per band.
 template <typename Out, int kVar>
-__global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm)
+__global__ void __launch_bounds__(kThreads, TransposeBlocksPerSm<Out, kVar>())
     TransposeKernel(const Args a, int row_tiles, int col_tiles, int g) {
   const int bands = (col_tiles + g - 1) / g;
   using Bits = typename std::conditional<sizeof(Out) == 4, uint32_t, uint16_t>::type;
@@ -340,8 +363,9 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm)
   for (int k = blockIdx.x; k < tiles; k += gridDim.x) {
     TilePos next = pos;
     next.Advance(stride, row_tiles, bands, g);
+    constexpr bool kAhead = TransposeLoadAhead<Out, kVar>();
     RawSegments ahead;
-    if (k + gridDim.x < tiles) ahead = LoadRaw<kVar>(a, next, off, j, cg);
+    if (kAhead && k + gridDim.x < tiles) ahead = LoadRaw<kVar>(a, next, off, j, cg);
     const float amax = a.amax_per_p ? raw.amax : shared_amax;
     const SegmentScale s[2] = {ScaleOf<kVar>(a, raw, amax, 0), ScaleOf<kVar>(a, raw, amax, 1)};
     const bool fast = FastSegment<kVar>(s[0]) && FastSegment<kVar>(s[1]);
@@ -350,6 +374,8 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm)
       StoreRhtPairs<Out>(s, fast, mine);
     } else if (kVar == kTransposePlain && sizeof(Out) == 2 && fast) {
       if constexpr (sizeof(Out) == 2) StoreTablePairs<Out>(s, mine);
+    } else if (kVar == kTransposeLocal && sizeof(Out) == 2 && fast) {
+      if constexpr (sizeof(Out) == 2) StoreLocalTablePairs<Out>(s, mine);
     } else if (fast) {
       StorePairs<Out, kVar, true>(s, mine);
     } else {
@@ -384,6 +410,7 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm)
       }
     }
     __syncthreads();  // the tile is rewritten for the next position
+    if constexpr (!kAhead) break;
     raw = ahead;
     pos = next;
   }
@@ -397,7 +424,7 @@ cudaError_t LaunchTransposeVariant(const Args& a, cudaStream_t stream) {
   const int64_t tiles = a.P * row_tiles * bands * g;
   if (tiles >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
   unsigned grid = unsigned(tiles);
-  if constexpr (!TileGridPerTile<Out, kVar>()) grid = unsigned((tiles + 1) / 2);  // two tiles a block
+  if constexpr (!TileGridPerTile<Out, kVar>()) grid = unsigned((tiles + kTilesPerBlock - 1) / kTilesPerBlock);
   TransposeKernel<Out, kVar><<<grid, kThreads, 0, stream>>>(a, int(row_tiles), int(col_tiles), int(g));
   return cudaGetLastError();
 }

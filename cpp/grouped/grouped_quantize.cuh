@@ -249,6 +249,13 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<kRow, kCol>()) GroupedQuan
     }
   }
   const In* x = static_cast<const In*>(a.x);
+  // NVFP4 1D / 2D / RHT: the multiplier tables (quantize::MultiplierTable) of the group in `tab_g`, rebuilt when a
+  // tile unit of another group comes up (uniform over the block; every tile unit ends with a barrier, so no thread
+  // still reads the old tables), instead of two reciprocals per block and orientation.
+  __shared__ float tab[2][128];
+  int tab_g = -1;
+  const bool row_tab = kRow == kNvfp4 && !(row_opts & quantize::k1x64);
+  const bool col_tab = kCol == kNvfp4 && !(col_opts & quantize::k1x64);
   for (int64_t u = blockIdx.x; u < t.Total(); u += gridDim.x) {
     const int g = FindGroup(t, int32_t(u));  // uniform over the block
     const int64_t lu = u - t.units[g];
@@ -277,6 +284,12 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<kRow, kCol>()) GroupedQuan
       q.vector_loads = (k * int64_t(sizeof(In))) % 16 == 0 && reinterpret_cast<uintptr_t>(x + off) % 16 == 0;
       const float enc_row = kRow == kNvfp4 ? cvt::GlobalEncodeScale(a.amax[g]) : 1.0f;
       const float enc_col = kCol == kNvfp4 ? cvt::GlobalEncodeScale(a.amax[t.n + g]) : 1.0f;
+      if ((row_tab || col_tab) && g != tab_g) {
+        if (row_tab) quantize::MultiplierTable(tab[0], enc_row, 0);
+        if (col_tab) quantize::MultiplierTable(tab[1], enc_col, 128);
+        __syncthreads();
+        tab_g = g;
+      }
       const uint32_t k_tiles = uint32_t(CeilDiv(k, quantize::kTile)), mb = uint32_t(lu) / k_tiles;
       const int64_t k0 = int64_t(uint32_t(lu) - mb * k_tiles) * quantize::kTile;
       if constexpr (TilesPerUnit<kRow, kCol>() > 1) {  // tiles [mt0, mt1) of the group, uniform over the block
@@ -284,7 +297,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<kRow, kCol>()) GroupedQuan
         const int64_t mt1 = mt0 + TilesPerUnit<kRow, kCol>() < m_tiles ? mt0 + TilesPerUnit<kRow, kCol>() : m_tiles;
         quantize::QuantizeTilesPrefetched<In, kRow, kCol, kPlain, false>(q, 0, mt0, mt1, k0);  // ends with a barrier
       } else {
-        quantize::QuantizeTile<In, kRow, kCol, kPlain>(q, 0, mb, k0, enc_row, enc_col);
+        quantize::QuantizeTile<In, kRow, kCol, kPlain>(q, 0, mb, k0, enc_row, enc_col, row_tab ? tab[0] : nullptr,
+                                                      col_tab ? tab[1] : nullptr);
         __syncthreads();  // the tile's shared memory is reused by the next unit
       }
     } else {
