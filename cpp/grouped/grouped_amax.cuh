@@ -14,7 +14,7 @@
 //    group in its last chunk;
 //  * columnwise with RHT: the 16x1 column segment (column j % K_g, rows 16 (j / K_g) ...), adjacent threads on
 //    adjacent columns (coalesced); a misaligned group gathers its oriented blocks through o2c.
-// The block maxima meet in one atomicMax per unit and orientation on the fp32 bit patterns (non-negative, NaN
+// The block maxima meet in one atomicMax per group run (see the kernel) and orientation on the fp32 bit patterns (non-negative, NaN
 // ignored as fmaxf does) into a zeroed float32[2N] scratch (row amaxes, then column amaxes).
 #pragma once
 
@@ -104,21 +104,31 @@ __global__ void __launch_bounds__(kThreads) GroupedAmaxKernel(const AmaxArgs a) 
   Table t = CarveTable(table_smem, a.n, a.size);
   BuildTable(t, a.first_dims, a.last_dims, [](const Table& tt, int g) { return AmaxUnits(tt, g); });
   const In* x = static_cast<const In*>(a.x);
-  for (int64_t u = blockIdx.x; u < t.Total(); u += gridDim.x) {
-    const int g = FindGroup(t, int32_t(u));
+  // Running maxima of the group `acc_g` over this block's units, published (block reduction + one atomicMax per
+  // orientation) when the next unit belongs to another group or the block is done: the blocks' consecutive units
+  // mostly share a group, so loads are not held up by a reduction after every unit. g is uniform over the block.
+  float row = 0.0f, col = 0.0f;
+  int acc_g = -1;
+  for (int64_t u = blockIdx.x;; u += gridDim.x) {
+    const bool more = u < t.Total();
+    const int g = more ? FindGroup(t, int32_t(u)) : -1;
+    if (acc_g >= 0 && g != acc_g) {
+      const uint32_t rb = a.row ? BlockMaxBits(__float_as_uint(row)) : 0u;
+      const uint32_t cb = a.col ? BlockMaxBits(__float_as_uint(col)) : 0u;
+      if (threadIdx.x == 0) {
+        if (rb != 0u) atomicMax(a.amax_bits + acc_g, rb);
+        if (cb != 0u) atomicMax(a.amax_bits + a.n + acc_g, cb);
+      }
+      row = 0.0f, col = 0.0f;
+    }
+    if (!more) break;
+    acc_g = g;
     const int64_t off = t.off[g], cnt = t.Count(g), m = t.rows[g], k = t.cols[g];
     const int64_t chunks = CeilDiv(cnt, 16);
-    float row = 0.0f, col = 0.0f;
 #pragma unroll
     for (int r = 0; r < kAmaxUnroll; ++r) {
       const int64_t j = ((u - t.units[g]) * kAmaxUnroll + r) * kThreads + threadIdx.x;
       if (j < chunks) AmaxChunk<In>(a, x, off, cnt, m, k, j, chunks, &row, &col);
-    }
-    const uint32_t rb = a.row ? BlockMaxBits(__float_as_uint(row)) : 0u;
-    const uint32_t cb = a.col ? BlockMaxBits(__float_as_uint(col)) : 0u;
-    if (threadIdx.x == 0) {
-      if (rb != 0u) atomicMax(a.amax_bits + g, rb);
-      if (cb != 0u) atomicMax(a.amax_bits + a.n + g, cb);
     }
   }
 }
