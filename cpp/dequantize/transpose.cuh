@@ -287,6 +287,12 @@ __device__ __forceinline__ void StoreLocalTablePairs(const SegmentScale (&s)[2],
   StoreTablePairs<Out>(tab, s, dst);
 }
 
+// The values of one stored row segment's 16 codes (q[h]: codes 8h .. 8h + 7).
+__device__ __forceinline__ void E2M1x16(uint2 codes, float (&q)[2][8]) {
+  E2M1xN<8>(codes.x, q[0]);
+  E2M1xN<8>(codes.y, q[1]);
+}
+
 // RHT, 16-bit outputs, both rows' multipliers RhtScaleFree (args.cuh): the butterfly of RN(q * m / 4), the 16
 // pairs converted once and the negated outputs' sign bits flipped in the packed pairs (both rows share the signs).
 template <typename Out>
@@ -295,8 +301,7 @@ __device__ __forceinline__ void StoreRhtPairsScaleFree(const SegmentScale (&s)[2
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float q[2][8];
-    E2M1xN<8>(s[r].codes.x, q[0]);
-    E2M1xN<8>(s[r].codes.y, q[1]);
+    E2M1x16(s[r].codes, q);
     const float m4 = __fmul_rn(s[r].mult, 0.25f);
 #pragma unroll
     for (int i = 0; i < 16; ++i) v[r][i] = __fmul_rn(q[i >> 3][i & 7], m4);
@@ -322,8 +327,7 @@ __device__ __forceinline__ void StoreRhtPairs(const SegmentScale (&s)[2], bool f
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float q[2][8];
-    E2M1xN<8>(s[r].codes.x, q[0]);
-    E2M1xN<8>(s[r].codes.y, q[1]);
+    E2M1x16(s[r].codes, q);
 #pragma unroll
     for (int i = 0; i < 16; ++i) v[r][i] = __fmul_rn(q[i >> 3][i & 7], s[r].mult);
     RhtInverse16(v[r]);
