@@ -14,8 +14,9 @@
 //    group in its last chunk;
 //  * columnwise with RHT: the 16x1 column segment (column j % K_g, rows 16 (j / K_g) ...), adjacent threads on
 //    adjacent columns (coalesced); a misaligned group gathers its oriented blocks through o2c.
-// The block maxima meet in one atomicMax per group run (see the kernel) and orientation on the fp32 bit patterns (non-negative, NaN
-// ignored as fmaxf does) into a zeroed float32[2N] scratch (row amaxes, then column amaxes).
+// The block maxima meet in one atomicMax per run of a block's units of one group (see the kernel) and orientation on
+// the fp32 bit patterns (non-negative, NaN ignored as fmaxf does) into a zeroed float32[2N] scratch (row amaxes, then
+// column amaxes).
 #pragma once
 
 #include <cuda_runtime.h>

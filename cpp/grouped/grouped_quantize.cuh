@@ -58,8 +58,7 @@ __host__ __device__ constexpr int BlockOf(int kind) { return kind == kNvfp4 ? 16
 // pairings with the next tile's row segment prefetched (quantize::QuantizeTilesPrefetched), NVFP4 ones tile by tile,
 // so the unit's set-up (group lookup, arguments, encode scales) is paid once per 4 tiles. (One tile a unit: ncu on an
 // H100, NVFP4 row 16384x4096, 8 groups: 111 us for the quantize kernel against ~67 us for the single-tensor one.)
-template <int kRow, int kCol>
-__host__ __device__ constexpr int TilesPerUnit() { return 4; }
+constexpr int kTilesPerUnit = 4;
 
 // Tile path eligibility: aligned block axes, a 16-aligned offset (the tile routine's vector stores) and inside x.
 template <int kRow, int kCol>
@@ -97,7 +96,7 @@ __device__ __forceinline__ int64_t QuantUnits(const Table& t, int g) {
   const int64_t cnt = t.Count(g);
   if (cnt == 0) return 0;
   if (TilePath<kRow, kCol>(t, g)) {
-    return CeilDiv(CeilDiv(t.rows[g], 64), TilesPerUnit<kRow, kCol>()) * CeilDiv(t.cols[g], 64);
+    return CeilDiv(CeilDiv(t.rows[g], 64), kTilesPerUnit) * CeilDiv(t.cols[g], 64);
   }
   const int bs = (kRow == kNvfp4 || kCol == kNvfp4) ? 16 : 32;  // the smaller block of the two orientations
   return CeilDiv(CeilDiv(cnt, bs), kThreads);
@@ -295,8 +294,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<kRow, kCol>()) GroupedQuan
       const uint32_t k_tiles = uint32_t(CeilDiv(k, quantize::kTile)), mb = uint32_t(lu) / k_tiles;
       const int64_t k0 = int64_t(uint32_t(lu) - mb * k_tiles) * quantize::kTile;
       // tiles [mt0, mt1) of the group, uniform over the block
-      const int64_t mt0 = int64_t(mb) * TilesPerUnit<kRow, kCol>(), m_tiles = CeilDiv(m, quantize::kTile);
-      const int64_t mt1 = mt0 + TilesPerUnit<kRow, kCol>() < m_tiles ? mt0 + TilesPerUnit<kRow, kCol>() : m_tiles;
+      const int64_t mt0 = int64_t(mb) * kTilesPerUnit, m_tiles = CeilDiv(m, quantize::kTile);
+      const int64_t mt1 = mt0 + kTilesPerUnit < m_tiles ? mt0 + kTilesPerUnit : m_tiles;
       if constexpr (kRow != kNvfp4 && kCol != kNvfp4) {
         quantize::QuantizeTilesPrefetched<In, kRow, kCol, kPlain, false>(q, 0, mt0, mt1, k0);  // ends with a barrier
       } else {
