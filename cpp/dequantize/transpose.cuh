@@ -12,7 +12,8 @@
 // carries no RHT or division code. Values that cannot produce NaN (finite multiplier; for RHT |multiplier| <= 2^100,
 // so 16-term sums stay finite) skip the canonical-NaN fix-up of OutBits. 16-bit outputs of finite plain multipliers
 // and of 1x64 segments in a safe window look their values up in a per-segment table (half_table.cuh); 16-bit RHT
-// outputs of multipliers in [2^-100, 2^100] skip the flushes and the final * +-0.25 (RhtScaleFree in args.cuh).
+// outputs of multipliers in [2^-100, 2^100] skip the flushes and the final * +-0.25 (RhtScaleFree in args.cuh) and
+// decode their codes through fp16 (E2M1x8Half, the 2^14 folded into the multiplier).
 // Grid (TileGridPerTile): blocks take the tiles in band order. 16-bit plain and 1x64 outputs run one block per tile,
 // 6 blocks an SM; 16-bit RHT and f32 1x64 outputs two tiles a block, loading the second tile's codes and scales
 // before decoding the first; f32 plain / RHT outputs one block per tile, 4 blocks an SM. No atomics, no scratch.
@@ -301,10 +302,11 @@ __device__ __forceinline__ void StoreRhtPairsScaleFree(const SegmentScale (&s)[2
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float q[2][8];
-    E2M1x16(s[r].codes, q);
-    const float m4 = __fmul_rn(s[r].mult, 0.25f);
+    E2M1x8Half(s[r].codes.x, q[0]);
+    E2M1x8Half(s[r].codes.y, q[1]);
+    const float m = __fmul_rn(s[r].mult, 0x1p12f);  // (m / 4) * 2^14, exact: |m| <= 2^100
 #pragma unroll
-    for (int i = 0; i < 16; ++i) v[r][i] = __fmul_rn(q[i >> 3][i & 7], m4);
+    for (int i = 0; i < 16; ++i) v[r][i] = __fmul_rn(q[i >> 3][i & 7], m);
     RhtButterfly16(v[r]);
   }
 #pragma unroll

@@ -66,6 +66,8 @@ const Variant kVariants[] = {
     {"nvfp4 RHT col bf16", kNv, kR | kT, kBf16, true},
     {"nvfp4 RHT col f32", kNv, kR | kT, kF32, true},
     {"nvfp4 RHT col swz f16", kNv, kR | kT | kS, kF16, true},
+    {"nvfp4 RHT col f16", kNv, kR | kT, kF16, true},
+    {"nvfp4 RHT col swz bf16", kNv, kR | kT | kS, kBf16, true},
     {"nvfp4 1x64 row bf16", kNv, kL, kBf16, false},
     {"nvfp4 1x64 row f32", kNv, kL, kF32, false},
     {"nvfp4 1x64 row swz bf16", kNv, kL | kS, kBf16, false},
