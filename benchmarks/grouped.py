@@ -6,8 +6,12 @@ the minimal bytes (inputs read once plus every output leaf written once: float4 
 itemsize), % of the device-to-device copy bandwidth measured in the same run (jit(jnp.copy), read + write bytes),
 and the speed-up over a Python loop of N single-tensor `jax_fp4.quantize` / `jax_fp4.dequantize` calls on static
 slices under one jit (the group sizes known at trace time: what a grouped call replaces). The grouped calls take
-the sizes as a traced device array (a router's output). Quantize is the public API (it includes the per-group amax
-pass for NVFP4); dequantize runs on the grouped quantization of the same buffers. The first shape also checks that
+the sizes as a traced device array (a router's output). Quantize is the public API: "e2e" variants include the
+per-group amax pass for NVFP4 (a second read of x); "kernel" variants (NVFP4 only, id suffix _kernel) pass the
+per-group amaxes (computed outside the timed function, as jitted arguments: `row_amax` / `col_amax`), which isolates
+the quantize kernel as benchmarks/quantize.py's kernel mode does; their loop passes each group's amax too
+(`reference.nvfp4.quantize_with_amax` semantics, through the single-tensor primitive). Dequantize runs on the grouped
+quantization of the same buffers. The first shape also checks that
 every group equals the loop's result bit for bit (data and scales).
 
 Timing: every function is jitted over K rotated input buffers (one call runs it on each of them, so one Python
@@ -35,6 +39,16 @@ import _common as bench  # noqa: E402
 
 import jax_fp4  # noqa: E402
 from jax_fp4 import MXFP8, NVFP4  # noqa: E402
+from jax_fp4._src.primitives.quantize import quantize_3d  # noqa: E402
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Single:
+    """A loop entry of kernel mode: one group's data / scale (the fields check_groups reads)."""
+    data: jax.Array
+    scale: jax.Array
+    fmt: object = dataclasses.field(metadata=dict(static=True))
 
 SHAPES = {"16384x4096": (16384, 4096), "moe down 16384x7168": (16384, 7168)}
 SMALL_SHAPES = {"small 1024x512": (1024, 512)}
@@ -50,6 +64,7 @@ class Variant:
     row: object  # Format | None
     col: object  # Format | None
     dequantize: bool = False  # dequantize the (single) present orientation to bf16
+    kernel: bool = False  # NVFP4 amaxes given (kernel mode)
 
 
 VARIANTS = [
@@ -59,6 +74,10 @@ VARIANTS = [
     Variant("mxfp8_rowcol", "mxfp8 row+col", MXFP8(), MXFP8()),
     Variant("mixed", "nvfp4 row + mxfp8 col", NVFP4(), MXFP8()),
     Variant("nvfp4_rht_col", "nvfp4 RHT col", None, NVFP4(rht=True)),
+    Variant("nvfp4_row_kernel", "nvfp4 row (kernel)", NVFP4(), None, kernel=True),
+    Variant("nvfp4_rowcol_kernel", "nvfp4 row+col (kernel)", NVFP4(), NVFP4(), kernel=True),
+    Variant("mixed_kernel", "nvfp4 row + mxfp8 col (kernel)", NVFP4(), MXFP8(), kernel=True),
+    Variant("nvfp4_rht_col_kernel", "nvfp4 RHT col (kernel)", None, NVFP4(rht=True), kernel=True),
     Variant("dq_nvfp4_row", "dequantize nvfp4 row", NVFP4(), None, dequantize=True),
     Variant("dq_nvfp4_col", "dequantize nvfp4 col", None, NVFP4(), dequantize=True),
     Variant("dq_nvfp4_rht_col", "dequantize nvfp4 RHT col", None, NVFP4(rht=True), dequantize=True),
@@ -77,28 +96,46 @@ def group_sizes(total: int, n: int, seed: int = 0) -> np.ndarray:
 
 # ---- the timed functions ----------------------------------------------------------------------------------------
 def grouped_quantize_fn(v: Variant):
-    def fn(x, sizes):
-        row, col, _ = jax_fp4.grouped_quantize_rowwise_columnwise(x, sizes, v.row, v.col)
+    def fn(x, sizes, row_amax=None, col_amax=None):
+        row, col, _ = jax_fp4.grouped_quantize_rowwise_columnwise(x, sizes, v.row, v.col, row_amax=row_amax,
+                                                                  col_amax=col_amax)
         return tuple(q for q in (row, col) if q is not None)
 
     return fn
 
 
+def given_amaxes(v: Variant, x, dsizes):
+    """(row_amax, col_amax) of a kernel-mode variant: each NVFP4 orientation's per-group amaxes (else None)."""
+    row, col, _ = jax.jit(lambda x, s: jax_fp4.grouped_quantize_rowwise_columnwise(x, s, v.row, v.col))(x, dsizes)
+    return tuple(q.amax if q is not None and isinstance(q.fmt, NVFP4) else None for q in (row, col))
+
+
 def loop_quantize_fn(v: Variant, sizes: np.ndarray):
     off = np.concatenate([[0], np.cumsum(sizes)])
 
-    def fn(x):
+    def fn(x, row_amax=None, col_amax=None):
         outs = []
         for g in range(len(sizes)):
             xg = x[off[g] : off[g + 1]]
             if xg.shape[0] == 0:
                 continue
-            for fmt, axis in ((v.row, -1), (v.col, 0)):
-                if fmt is not None:
+            for fmt, axis, amax in ((v.row, -1, row_amax), (v.col, 0, col_amax)):
+                if fmt is None:
+                    continue
+                if amax is None:
                     outs.append(jax_fp4.quantize(xg, fmt, axis=axis))
+                else:  # kernel mode: the single-tensor quantize primitive with the group's amax
+                    outs.append(single_with_amax(xg, fmt, axis, amax[g]))
         return tuple(outs)
 
     return fn
+
+
+def single_with_amax(xg, fmt, axis, amax):
+    """(data, scale) of the single-tensor NVFP4 quantize of xg with a given tensor amax (quantize_3d primitive)."""
+    a, kw, orient = jnp.full((1,), amax, jnp.float32), jnp.zeros((2,), jnp.uint32), "row" if axis == -1 else "col"
+    o = quantize_3d(xg[None], a, a, kw, kw, row_fmt=fmt if axis == -1 else None, col_fmt=None if axis == -1 else fmt)
+    return _Single(o[f"{orient}_data"].reshape(-1), o[f"{orient}_scale"].reshape(-1), fmt)
 
 
 def grouped_dequantize_fn(gq):
@@ -131,16 +168,17 @@ def run_variant(v, bufs, sizes, timing, check):
     """(grouped s, grouped bytes, loop s, loop bytes, bit-exact or None) of one variant."""
     n, k = len(sizes), bufs[0].shape[1]
     dsizes = jax.device_put(jnp.asarray(sizes))
-    auxs = [(dsizes,)] * len(bufs)
+    amaxes = [given_amaxes(v, b, dsizes) if v.kernel else () for b in bufs]
+    auxs = [(dsizes, *a) for a in amaxes]
     qfn, lfn = grouped_quantize_fn(v), loop_quantize_fn(v, sizes)
     if not v.dequantize:
-        if bench.kernels_missing(qfn, (bufs[0], dsizes), ["jf4_grouped_quantize"]):
+        if bench.kernels_missing(qfn, (bufs[0], *auxs[0]), ["jf4_grouped_quantize"]):
             print(f"warning: {v.id}: no jf4_grouped_quantize custom call (reference path timed)")
         t, got = bench.time_over_buffers(qfn, bufs, **timing, auxs=auxs, keep=check)
-        t_loop, want = bench.time_over_buffers(lfn, bufs, **timing, keep=check)
+        t_loop, want = bench.time_over_buffers(lfn, bufs, **timing, auxs=amaxes, keep=check)
         x_bytes = bench.tree_bytes(bufs[0])
-        gb = x_bytes + bench.tree_bytes(jax.eval_shape(qfn, bufs[0], dsizes))
-        lb = x_bytes + bench.tree_bytes(jax.eval_shape(lfn, bufs[0]))
+        gb = x_bytes + bench.tree_bytes(jax.eval_shape(qfn, bufs[0], *auxs[0]))
+        lb = x_bytes + bench.tree_bytes(jax.eval_shape(lfn, bufs[0], *amaxes[0]))
         exact = bench.bit_exact_check(f"{v.id} N={n}", check_groups, v, got[0], want[0], sizes, k) if check else None
         return t, gb, t_loop, lb, exact
     gqs = [jax.block_until_ready(jax.jit(qfn)(b, dsizes)[0]) for b in bufs]
@@ -205,8 +243,9 @@ def main():
                 print(f"  {v.name:<24} N={n:<3} {row['us']:>9.1f} µs {gbs:>7.0f} GB/s  loop {row['loop_us']:>9.1f} µs "
                       f"(t={time.perf_counter() - t_start:.0f}s)", flush=True)
 
-    bench.print_summary(results, "bytes = inputs read once + all outputs written once; vs loop = the loop's µs / "
-                        "the grouped call's µs; quantize includes the NVFP4 per-group amax pass")
+    bench.print_summary(results, "bytes = inputs read once + all outputs written once (the given amaxes of kernel "
+                        "variants included); vs loop = the loop's µs / the grouped call's µs; quantize includes the "
+                        "NVFP4 per-group amax pass except in the (kernel) variants")
     bench.print_table(
         [("variant", "<24"), ("shape", "<22"), ("N", ">3"), ("µs", ">9"), ("GB/s", ">7"), ("% copy", ">7"),
          ("loop µs", ">9"), ("vs loop", ">8"), ("exact", ">5")],

@@ -43,7 +43,20 @@ def _array(o, prefix, fmt, axis, rep, rows, cols, shape):
                                  shape=tuple(shape))
 
 
-def grouped_quantize(x, group_sizes, fmt: Format, *, last_dims=None, axis: int = -1, key=None
+def _given_amax(amax, fmt, n, where, side):
+    """float32[N] of a given per-group amax (None stays None); ValueError for non-NVFP4 formats or a bad shape."""
+    if amax is None:
+        return None
+    if not isinstance(fmt, NVFP4):
+        raise ValueError(f"{where}: a given {side} amax needs an NVFP4 format (it sets the tensor scale), got {fmt!r}")
+    a = jnp.asarray(amax)
+    if a.shape != (n,) or not jnp.issubdtype(a.dtype, jnp.floating):
+        raise ValueError(f"{where}: {side} amax must be a float array of shape ({n},) (one per group), got "
+                         f"{a.dtype}{list(a.shape)}")
+    return a.astype(jnp.float32)
+
+
+def grouped_quantize(x, group_sizes, fmt: Format, *, last_dims=None, axis: int = -1, key=None, amax=None
                      ) -> GroupedQuantizedArray:
     """Quantize the N groups of x to `fmt`, each with its own tensor scale, in one call.
 
@@ -59,13 +72,19 @@ def grouped_quantize(x, group_sizes, fmt: Format, *, last_dims=None, axis: int =
       last_dims: int[N] group last dims K_g (VARYING_LAST_DIM / VARYING_BOTH_DIMS), else None.
       axis: -1 rowwise (blocks along each group's K_g), 0 columnwise (along each M_g; NVFP4 stores x_g.T).
       key: PRNG key, required for stochastic rounding; group g uses `jax.random.fold_in(key, g)`.
+      amax: NVFP4 only: float[N] per-group tensor amaxes to encode with (|x_g| max, after the RHT for RHT formats;
+        e.g. from an amax history or an earlier call's `.amax`), which skips the amax pass (a second read of x);
+        None computes each group's own.
 
     Returns:
       GroupedQuantizedArray: group g equals `jax_fp4.quantize(x_g, fmt, axis=axis, key=fold_in(key, g))` bit for
-      bit (data, scales, amax); empty groups are legal; buffer positions past the last group hold code 0.
+      bit (data, scales, amax), or with a given amax the NVFP4 encode of x_g with tensor amax amax[g]
+      (`reference.nvfp4.quantize_with_amax`); empty groups are legal; buffer positions past the last group hold code
+      0.
 
     Raises:
-      ValueError (trace time): dtype not bfloat16/float16/float32; a rank that does not fit the representation;
+      ValueError (trace time): dtype not bfloat16/float16/float32; a rank that does not fit the representation; a
+      given amax with an MXFP8 format or of a shape other than (N,);
       NVFP4 scaling_2d / local_1x64 (single-tensor formats); stochastic rounding without a key; an unknown axis;
       a static block-axis dimension (K rowwise for SAME_BOTH_DIMS / VARYING_FIRST_DIM, M columnwise for
       SAME_BOTH_DIMS / VARYING_LAST_DIM) not a multiple of the block size (16 NVFP4, 32 MXFP8); concrete (non-traced)
@@ -80,13 +99,16 @@ def grouped_quantize(x, group_sizes, fmt: Format, *, last_dims=None, axis: int =
                                                axis=axis, key=key)
     words = ref.group_key_words(key, n) if _needs_key(fmt) else None
     row = axis == -1
+    given = _given_amax(amax, fmt, n, "grouped_quantize", "rowwise" if row else "columnwise")
     o = grouped_quantize_raw(x, rows, cols, words if row else None, None if row else words,
-                             row_fmt=fmt if row else None, col_fmt=None if row else fmt, representation=rep)
+                             row_fmt=fmt if row else None, col_fmt=None if row else fmt, representation=rep,
+                             row_amax=given if row else None, col_amax=None if row else given)
     return _array(o, "row" if row else "col", fmt, axis, rep, rows, cols, x.shape)
 
 
 def grouped_quantize_rowwise_columnwise(x, group_sizes, row_fmt: Format | None, col_fmt: Format | None, *,
-                                        last_dims=None, key=None, dbias: bool = False):
+                                        last_dims=None, key=None, dbias: bool = False, row_amax=None,
+                                        col_amax=None):
     """Rowwise and columnwise grouped quantizations of x from one call (the grouped GEMM operands of fprop and
     wgrad), optionally with the grouped bias gradient.
 
@@ -98,13 +120,15 @@ def grouped_quantize_rowwise_columnwise(x, group_sizes, row_fmt: Format | None, 
       dbias: also return the per-group column sums of x in float32 (the bias gradient of grouped dY): [N, K] for
         SAME_BOTH_DIMS / VARYING_FIRST_DIM, [C] for VARYING_LAST_DIM (group g's at sum(K_<g)); VARYING_BOTH_DIMS
         raises. An fp32 sum in an unspecified order (not bit-exact).
+      row_amax, col_amax: as `grouped_quantize`'s amax, per orientation (NVFP4 only); None computes them.
 
     Returns:
       (row, col, dbias): row == grouped_quantize(x, ..., row_fmt, axis=-1, key=k0) and col == grouped_quantize(x,
       ..., col_fmt, axis=0, key=k1) bit for bit (None where the format is None); dbias float32 or None.
 
     Raises:
-      ValueError as `grouped_quantize` for each orientation; both formats None; dbias with VARYING_BOTH_DIMS.
+      ValueError as `grouped_quantize` for each orientation (a given amax included); both formats None; dbias with
+      VARYING_BOTH_DIMS.
     """
     if row_fmt is None and col_fmt is None:
         raise ValueError(f"grouped_quantize_rowwise_columnwise: both formats are None (x {jnp.shape(x)})")
@@ -118,8 +142,10 @@ def grouped_quantize_rowwise_columnwise(x, group_sizes, row_fmt: Format | None, 
     x, rep, n, rows, cols, _ = checked
     words = [ref.group_key_words(k, n) if _needs_key(f) else None
              for f, k in zip((row_fmt, col_fmt), keys, strict=True)]
+    where = "grouped_quantize_rowwise_columnwise"
     o = grouped_quantize_raw(x, rows, cols, *words, row_fmt=row_fmt, col_fmt=col_fmt, representation=rep,
-                             dbias=dbias)
+                             dbias=dbias, row_amax=_given_amax(row_amax, row_fmt, n, where, "rowwise"),
+                             col_amax=_given_amax(col_amax, col_fmt, n, where, "columnwise"))
     row = None if row_fmt is None else _array(o, "row", row_fmt, -1, rep, rows, cols, x.shape)
     col = None if col_fmt is None else _array(o, "col", col_fmt, 0, rep, rows, cols, x.shape)
     return row, col, (o["dbias"] if dbias else None)

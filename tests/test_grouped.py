@@ -233,13 +233,22 @@ def _sds(shape, dtype):
         ((_sds((64, 24), jnp.float32), _sds((2,), jnp.int32), _sds((2,), jnp.int32)), {}, "last dim K is 24"),
         ((_sds((64, 32), jnp.float32), _sds((2,), jnp.int32), _sds((2,), jnp.int32)),
          {"row_fmt": NVFP4(scaling_2d=True)}, "not supported"),
+        ((_sds((64, 32), jnp.float32), _sds((2,), jnp.int32), _sds((2,), jnp.int32)),
+         {"amax_given": 1, "amax_in": (4,)}, "needs an NVFP4 rowwise format"),
+        ((_sds((64, 32), jnp.float32), _sds((2,), jnp.int32), _sds((2,), jnp.int32)),
+         {"row_fmt": NVFP4(), "amax_given": 1, "amax_in": (2,)}, r"amax_in must be float32\[4\]"),
+        ((_sds((64, 32), jnp.float32), _sds((2,), jnp.int32), _sds((2,), jnp.int32)),
+         {"row_fmt": NVFP4(), "amax_in": (4,)}, r"amax_in must be float32\[0\]"),
+        ((_sds((64, 32), jnp.float32), _sds((2,), jnp.int32), _sds((2,), jnp.int32)),
+         {"row_fmt": NVFP4(), "amax_given": 4, "amax_in": (4,)}, "amax_given must be an int in 0..3"),
     ],
 )
 def test_quantize_primitive_abstract_eval_errors(operands, params, match):
     x, fd, ld = operands
     kr = params.pop("key_row", (fd.shape[0], 2))
-    p = dict(row_fmt=MXFP8(), col_fmt=None, representation=R.VARYING_FIRST_DIM, dbias=False) | params
-    args = (x, fd, ld, _sds(kr, jnp.uint32), _sds((fd.shape[0], 2), jnp.uint32))
+    am = params.pop("amax_in", (0,))
+    p = dict(row_fmt=MXFP8(), col_fmt=None, representation=R.VARYING_FIRST_DIM, dbias=False, amax_given=0) | params
+    args = (x, fd, ld, _sds(kr, jnp.uint32), _sds((fd.shape[0], 2), jnp.uint32), _sds(am, jnp.float32))
     with pytest.raises(ValueError, match=match):
         jax.eval_shape(lambda *a: grouped_quantize_p.bind(*a, **p), *args)
 
@@ -325,3 +334,40 @@ def test_bf16_subnormal_inputs_are_kept(axis):
         codes = bits(got.data)
         assert (codes[1] == 0x6 | (0x8 * g)).all(), f"group {g}: codes of the subnormal blocks {codes[1]}"
         assert_same_bits(got, jq(xg, NVFP4(), axis, None), f"group {g} vs single-tensor quantize")
+
+
+@pytest.mark.parametrize("row_fmt,col_fmt", [(NVFP4(), NVFP4(rht=True)), (NVFP4(), MXFP8())],
+                         ids=["nvfp4-rht", "nvfp4-mxfp8"])
+def test_given_amax(rng, row_fmt, col_fmt):
+    """A given per-group amax: the groups' own amax gives the computed result bit for bit; any other amax gives each
+    group's NVFP4 encode with that tensor amax (reference.nvfp4.quantize_with_amax of the single tensor)."""
+    from jax_fp4.reference import nvfp4
+
+    rows = np.array([64, 0, 32, 96], np.int32)
+    x = jnp.asarray(random_input(rng, (int(rows.sum()), 64), jnp.bfloat16))
+    f = jax.jit(lambda x, fd, ra, ca: jax_fp4.grouped_quantize_rowwise_columnwise(
+        x, fd, row_fmt, col_fmt, row_amax=ra, col_amax=ca)[:2])
+    row, col = f(x, rows, None, None)
+    given_col = col.amax if isinstance(col_fmt, NVFP4) else None
+    for got, want in zip(f(x, rows, row.amax, given_col), (row, col), strict=True):
+        assert_same_bits(got.data, want.data, "own amax: data")
+        assert_same_bits(got.scale, want.scale, "own amax: scale")
+    amax = jnp.asarray(rng.uniform(0.5, 8.0, len(rows)), jnp.float32)
+    got = jax.jit(lambda x, fd, a: jax_fp4.grouped_quantize(x, fd, row_fmt, amax=a))(x, rows, amax)
+    assert_same_bits(got.amax, amax, "given amax returned")
+    off = np.concatenate([[0], np.cumsum(rows)]) * 64
+    for g in np.flatnonzero(rows):
+        xg = x.reshape(-1)[off[g] : off[g + 1]].reshape(rows[g], 64)
+        want = nvfp4.quantize_with_amax(nvfp4.prepare(xg, row_fmt), row_fmt, amax[g])
+        codes = np.asarray(want.codes, np.uint8).reshape(-1)
+        scale_codes = np.asarray(want.scale_codes, np.uint8).reshape(-1)
+        assert_same_bits(bits(got.data)[off[g] : off[g + 1]], codes, f"group {g} data")
+        assert_same_bits(bits(got.scale)[off[g] // 16 : off[g + 1] // 16], scale_codes, f"group {g} scale")
+
+
+def test_given_amax_errors():
+    x = jnp.zeros((64, 32), jnp.float32)
+    with pytest.raises(ValueError, match="needs an NVFP4 format"):
+        jax_fp4.grouped_quantize(x, np.array([32, 32]), MXFP8(), amax=jnp.ones(2))
+    with pytest.raises(ValueError, match=r"shape \(2,\)"):
+        jax_fp4.grouped_quantize(x, np.array([32, 32]), NVFP4(), amax=jnp.ones(3))

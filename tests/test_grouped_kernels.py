@@ -292,6 +292,39 @@ POISON_CASES = [  # (rows, cols, x shape, row_fmt, col_fmt): aligned with a tail
 ]
 
 
+GIVEN_AMAX_CASES = [  # (representation, N, row_fmt, col_fmt, which amaxes are given: 1 row, 2 col)
+    (R.VARYING_FIRST_DIM, 8, _NV, _NV, 3),
+    (R.VARYING_FIRST_DIM, 8, _NV, _NV, 2),  # the rowwise amax computed, the columnwise one given
+    (R.VARYING_FIRST_DIM, 64, _NV, _MX, 1),  # the recipe's pairing, kernel mode
+    (R.SAME_BOTH_DIMS, 8, _NV_SR, _NV_RHT, 3),
+    (R.VARYING_LAST_DIM, 8, _MX, _NV, 2),  # two launches
+    (R.VARYING_BOTH_DIMS, 8, None, _NV_RHT, 2),
+]
+
+
+@pytest.mark.parametrize("rep,n,row_fmt,col_fmt,given", GIVEN_AMAX_CASES,
+                         ids=[f"{c[0].value}-N{c[1]}-{c[2]!r}-{c[3]!r}-given{c[4]}" for c in GIVEN_AMAX_CASES])
+def test_given_amax_matches_reference(rng, rep, n, row_fmt, col_fmt, given):
+    """Given per-group amaxes (random, so unlike the groups' own) skip the amax pass for their orientation."""
+    shape, rows, cols = draw(rng, rep, n)
+    x = random_input(rng, shape, jnp.bfloat16)
+    amaxes = [jnp.asarray(rng.uniform(0.25, 16.0, n), jnp.float32) if given & b else None for b in (1, 2)]
+
+    def f(x, fd, ld, key, ra, ca):
+        gs, last = group_args(rep, n, fd, ld)
+        return jax_fp4.grouped_quantize_rowwise_columnwise(x, gs, row_fmt, col_fmt, last_dims=last, key=key,
+                                                           row_amax=ra, col_amax=ca)[:2]
+
+    args = (x, rows.astype(np.int32), cols.astype(np.int32), jax.random.key(int(rng.integers(2**31))), *amaxes)
+    assert_custom_calls(f, args)
+    got, want = run_on(_gpu(), f, *args), run_on(_cpu(), f, *args)
+    assert_same_bits(got, want, f"{rep.value} N={n} given={given} rows={rows.tolist()} cols={cols.tolist()}")
+    for q, a in zip(got, amaxes, strict=True):
+        if a is not None:
+            ok = np.asarray(q.first_dims if q.axis == 0 else q.last_dims) % 16 == 0
+            assert_same_bits(np.asarray(q.amax)[ok], np.asarray(a)[ok], "the given amax is returned")
+
+
 @pytest.mark.parametrize("rows,cols,shape,row_fmt,col_fmt", POISON_CASES,
                          ids=[f"{c[2]}-{c[3]!r}-{c[4]!r}" for c in POISON_CASES])
 def test_poisoned_outputs_fully_written(rng, rows, cols, shape, row_fmt, col_fmt):
@@ -302,13 +335,14 @@ def test_poisoned_outputs_fully_written(rng, rows, cols, shape, row_fmt, col_fmt
     x = random_input(rng, shape, jnp.float32)
     keys = np.asarray(rng.integers(0, 2**32, (2, n, 2)), np.uint32)
     shapes = quantize_result_shapes(size, n, row_fmt, col_fmt)
-    call = jax.ffi.ffi_call(Q_TARGET, shapes, input_output_aliases={5 + i: i for i in range(6)})
+    call = jax.ffi.ffi_call(Q_TARGET, shapes, input_output_aliases={6 + i: i for i in range(6)})
 
-    def poisoned(x, fd, ld, kr, kc):
-        return call(x, fd, ld, kr, kc, *[_poison(s) for s in shapes[:6]], **quantize_flags(row_fmt, col_fmt))[:6]
+    def poisoned(x, fd, ld, kr, kc, am):
+        return call(x, fd, ld, kr, kc, am, *[_poison(s) for s in shapes[:6]],
+                    **quantize_flags(row_fmt, col_fmt))[:6]
 
-    params = dict(row_fmt=row_fmt, col_fmt=col_fmt, representation=R.VARYING_BOTH_DIMS, dbias=False)
-    args = (x, rows, cols, keys[0], keys[1])
+    params = dict(row_fmt=row_fmt, col_fmt=col_fmt, representation=R.VARYING_BOTH_DIMS, dbias=False, amax_given=0)
+    args = (x, rows, cols, keys[0], keys[1], np.zeros(0, np.float32))
     got = run_on(_gpu(), poisoned, *args)
     want = run_on(_cpu(), lambda *a: reference_quantize(*a, **params)[:6], *args)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):

@@ -3,13 +3,16 @@
 //
 // Operands: x (bf16/f16/f32, any shape, read flat: group g is [M_g, K_g] row-major at offsets[g]), first_dims and
 // last_dims int32[N] (M_g, K_g), key_row and key_col uint32[N, 2] (per-group Philox key words of stochastic
-// rounding), then any number of ignored operands (tests alias poisoned buffers to the results through them).
+// rounding), amax_in f32[2N] or [0] (given per-group NVFP4 tensor amaxes, row then column), then any number of ignored
+// operands (tests alias poisoned buffers to the results through them).
 // Results (7; placeholders of 0 elements where an orientation is absent): row_data [size], row_scale [size / block],
 // row_amax f32[N] (NVFP4, else [0]), col_data, col_scale, col_amax, and scratch f32[2N] (the real per-group amaxes
 // the quantize reads; [0] without NVFP4). Attributes: row_kind, col_kind (quantize::Kind), flags (row options | col
-// options << 8; NVFP4 kSr / kRht only). Every size is checked, so a mismatched call is an InvalidArgument error.
-// Command-buffer compatible: NVFP4 adds a cudaMemsetAsync of the scratch and the per-group amax kernel before the
-// quantize kernel; no host sync, no allocation.
+// options << 8; NVFP4 kSr / kRht only), amax_given (bit 0: the rowwise, bit 1: the columnwise NVFP4 amaxes come from
+// amax_in, which must then be f32[2N]; the others are computed). Every size is checked, so a mismatched call is an
+// InvalidArgument error. Command-buffer compatible: NVFP4 adds a cudaMemsetAsync of the scratch, a device-to-device
+// copy of each given orientation's amaxes into it and the per-group amax kernel for the computed ones (none when
+// every NVFP4 orientation's amax is given) before the quantize kernel; no host sync, no allocation.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -143,12 +146,12 @@ ffi::Error LaunchFor(int row_kind, int col_kind, const QuantArgs& a, bool amax_p
 
 ffi::Error GroupedQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> first_dims,
                                ffi::Buffer<ffi::S32> last_dims, ffi::Buffer<ffi::U32> key_row,
-                               ffi::Buffer<ffi::U32> key_col, ffi::RemainingArgs,
+                               ffi::Buffer<ffi::U32> key_col, ffi::Buffer<ffi::F32> amax_in, ffi::RemainingArgs,
                                ffi::Result<ffi::AnyBuffer> row_data, ffi::Result<ffi::AnyBuffer> row_scale,
                                ffi::Result<ffi::AnyBuffer> row_amax, ffi::Result<ffi::AnyBuffer> col_data,
                                ffi::Result<ffi::AnyBuffer> col_scale, ffi::Result<ffi::AnyBuffer> col_amax,
                                ffi::Result<ffi::Buffer<ffi::F32>> scratch, int32_t row_kind, int32_t col_kind,
-                               int32_t flags) {
+                               int32_t flags, int32_t amax_given) {
   const int64_t size = static_cast<int64_t>(ElementCount(x));
   const int64_t n = static_cast<int64_t>(ElementCount(first_dims));
   const std::string where = "jf4_grouped_quantize: x of " + std::to_string(size) + " elements, " +
@@ -178,6 +181,11 @@ ffi::Error GroupedQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffe
                                   *col_amax, &a.col_data, &a.col_scale, &a.col_amax));
   const bool row_nv = row_kind == quantize::kNvfp4, col_nv = col_kind == quantize::kNvfp4;
   const bool nv = row_nv || col_nv;
+  const bool row_given = row_nv && (amax_given & 1), col_given = col_nv && (amax_given & 2);
+  const int64_t given_size = static_cast<int64_t>(ElementCount(amax_in));
+  JF4_CHECK(given_size == 2 * n || (given_size == 0 && (amax_given & 3) == 0),
+            where + ": amax_in must be float32[2N] (or float32[0] with amax_given 0), got " +
+                std::to_string(given_size) + " elements with amax_given " + std::to_string(amax_given));
   JF4_CHECK(static_cast<int64_t>(ElementCount(*scratch)) == (nv ? 2 * n : 0),
             where + ": scratch must be float32[2N] with an NVFP4 orientation, else float32[0]");
   JF4_CHECK(size == 0 || a.x != nullptr, where + ": null input buffer");
@@ -187,15 +195,21 @@ ffi::Error GroupedQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffe
   if (nv) {
     float* s = scratch->typed_data();
     JF4_CUDA_CHECK(cudaMemsetAsync(s, 0, sizeof(float) * 2 * n, stream));
+    for (int o = 0; o < 2; ++o) {
+      if (o ? col_given : row_given) {
+        JF4_CUDA_CHECK(cudaMemcpyAsync(s + o * n, amax_in.typed_data() + o * n, sizeof(float) * n,
+                                       cudaMemcpyDeviceToDevice, stream));
+      }
+    }
     a.amax = s;
     am.x = a.x, am.size = size, am.n = a.n;
     am.first_dims = a.first_dims, am.last_dims = a.last_dims;
     am.amax_bits = reinterpret_cast<uint32_t*>(s);
-    am.row = row_nv, am.col = col_nv;
+    am.row = row_nv && !row_given, am.col = col_nv && !col_given;
     am.row_rht = row_nv && (a.row_opts & quantize::kRht);
     am.col_rht = col_nv && (a.col_opts & quantize::kRht);
   }
-  const bool amax_pass = nv && size > 0;
+  const bool amax_pass = nv && size > 0 && (am.row || am.col);
   return DispatchFloat(x.element_type(), "jf4_grouped_quantize: x", [&](auto tag) -> ffi::Error {
     using Tag = decltype(tag);
     using In = std::conditional_t<Tag::kDataType == ffi::DataType::BF16, __nv_bfloat16,
@@ -215,6 +229,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jf4_grouped_quantize, jax_fp4::GroupedQuantizeImpl
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .RemainingArgs()
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>()
@@ -225,5 +240,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jf4_grouped_quantize, jax_fp4::GroupedQuantizeImpl
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Attr<int32_t>("row_kind")
                                   .Attr<int32_t>("col_kind")
-                                  .Attr<int32_t>("flags"),
+                                  .Attr<int32_t>("flags")
+                                  .Attr<int32_t>("amax_given"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -363,12 +363,13 @@ def grouped_quantize(x, fmt: Format, *, first_dims=None, last_dims=None, num_gro
     return GroupedQuantized(data, scale, amax, rows, cols, group_offsets(rows, cols), fmt, axis, rep, tuple(x.shape))
 
 
-def quantize_groups(x, rows, cols, fmt: Format, axis: int, key_words=None):
+def quantize_groups(x, rows, cols, fmt: Format, axis: int, key_words=None, amax=None):
     """The grouped quantize of an already validated buffer (jittable, vmappable; dims may be traced).
 
     x: bfloat16/float16/float32, any shape (read flat); rows, cols: int32[N]; axis: -1 or 0; key_words: uint32[N, 2]
-    (`group_key_words`) for NVFP4 stochastic rounding, else None. Returns (data [x.size] in fmt.data_dtype, scale
-    [x.size // block] in fmt.scale_dtype, amax float32[N] (NVFP4) or None), misaligned groups poisoned.
+    (`group_key_words`) for NVFP4 stochastic rounding, else None; amax: float32[N] given NVFP4 per-group tensor
+    amaxes to encode with (after the RHT for RHT formats), or None to take each group's own. Returns (data [x.size]
+    in fmt.data_dtype, scale [x.size // block] in fmt.scale_dtype, amax float32[N] (NVFP4) or None), misaligned groups poisoned.
     """
     bs, n, size = fmt.block_size, rows.shape[0], math.prod(x.shape)
     rows, cols = rows.astype(I32), cols.astype(I32)
@@ -384,10 +385,11 @@ def quantize_groups(x, rows, cols, fmt: Format, axis: int, key_words=None):
     gb, lb = g[::bs], local[::bs] // bs  # per internal block: group and block index inside the group
 
     if isinstance(fmt, NVFP4):
-        q, sc, amax = _nvfp4_blocks(y, fmt, gb, lb, n, key_words)
+        q, sc, amax = _nvfp4_blocks(y, fmt, gb, lb, n, key_words, amax)
     else:
+        if amax is not None:
+            raise ValueError(f"quantize_groups: a given amax needs an NVFP4 format, got {fmt!r}")
         q, sc = mxfp8.quantize(y, fmt)
-        amax = None
 
     bad = misaligned(rows, cols, axis, bs)
     # Data: output position -> internal position (NVFP4 stores the oriented order; MXFP8 keeps [M_g, K_g]).
@@ -415,15 +417,19 @@ _SCALE_NAN = {NVFP4: 0x7F, MXFP8: 0xFF}  # E4M3 and E8M0 NaN codes
 _MX_DATA_NAN = 0x7F  # NaN in float8_e4m3fn and float8_e5m2
 
 
-def _nvfp4_blocks(y, fmt: NVFP4, gb, lb, n: int, key_words):
+def _nvfp4_blocks(y, fmt: NVFP4, gb, lb, n: int, key_words, given=None):
     """NVFP4 1D math of `nvfp4.quantize` with a per-group tensor scale. y: f32 [internal], oriented and block
-    aligned; gb / lb: group and in-group index of every 16-block. Returns (codes, scale codes, amax f32[N])."""
+    aligned; gb / lb: group and in-group index of every 16-block; given: float32[N] amaxes to encode with, or None.
+    Returns (codes, scale codes, amax f32[N])."""
     bs = fmt.block_size
     if fmt.rht:
         y = rht.forward(y)
     bbits = jnp.max(abs_bits(y).reshape(-1, bs), axis=1, initial=0)  # block amax bits (NaN ignored)
     # Per-group tensor amax: blocks outside every group are all-zero, so they change no max.
-    amax = _f32.from_bits(jax.ops.segment_max(bbits, gb, num_segments=n, indices_are_sorted=True))
+    if given is None:
+        amax = _f32.from_bits(jax.ops.segment_max(bbits, gb, num_segments=n, indices_are_sorted=True))
+    else:
+        amax = jnp.asarray(given, jnp.float32).reshape(n)
     s_enc = nvfp4.global_encode_scale(amax)  # [N]
     rbytes = _sr_bytes(key_words, gb, lb) if fmt.stochastic_rounding else None
     q, sc = nvfp4.encode_blocks(y.reshape(-1, bs), _f32.from_bits(bbits), s_enc[gb], rbytes)

@@ -11,12 +11,16 @@ jf4_grouped_quantize
     first_dims, last_dims: int32[N], every group's M_g and K_g (static dims materialized by the caller).
     key_row, key_col: uint32[N, 2], per-group Philox key words of NVFP4 stochastic rounding
       (`reference.grouped.group_key_words`: group g uses philox_key(fold_in(key, g))); ignored otherwise.
-  Static parameters: row_fmt, col_fmt (a Format or None, at least one), representation, dbias (bool).
+    amax_in: float32[2N] given per-group NVFP4 tensor amaxes (rowwise, then columnwise; after the RHT for RHT
+      formats) for the orientations `amax_given` names, else float32[0].
+  Static parameters: row_fmt, col_fmt (a Format or None, at least one), representation, dbias (bool), amax_given
+    (int: bit 0 the rowwise, bit 1 the columnwise NVFP4 orientation encodes with amax_in's amaxes instead of computing
+    them; only NVFP4 orientations may be named).
   Results (always seven; an absent one is a placeholder uint8 / float32 [0]):
     row_data   [x.size]       NVFP4 float4_e2m1fn (packed two per byte on GPU, even index in the low nibble) |
                               MXFP8 float8_e4m3fn / float8_e5m2; each group's data flattened at offsets[g]
     row_scale  [x.size // bs] float8_e4m3fn | float8_e8m0fnu; each group's compact scales at offsets[g] // bs
-    row_amax   float32[N]     per-group tensor amax (NVFP4; after the RHT for RHT formats)
+    row_amax   float32[N]     per-group tensor amax (NVFP4; after the RHT for RHT formats; the given one if any)
     col_data, col_scale, col_amax   the same for the columnwise quantization (NVFP4: of every x_g.T)
     dbias      float32 [N, K] (SAME_BOTH_DIMS / VARYING_FIRST_DIM) or [C] (VARYING_LAST_DIM, group g at
                sum(K_<g)): per-group column sums, fp32 in an unspecified order (not bit-exact)
@@ -120,8 +124,20 @@ def _orientation_avals(fmt, size, n):
     return (_ShapedArray((size,), fmt.data_dtype), _ShapedArray((size // fmt.block_size,), fmt.scale_dtype), amax)
 
 
-def _quantize_abstract_eval(x, first_dims, last_dims, key_row, key_col, *, row_fmt, col_fmt, representation,
-                            dbias):
+def _check_amax_in(where, amax_in, amax_given, n, row_fmt, col_fmt):
+    if not isinstance(amax_given, int) or not 0 <= amax_given <= 3:
+        raise ValueError(f"{where}: amax_given must be an int in 0..3, got {amax_given!r}")
+    for bit, fmt, side in ((1, row_fmt, "rowwise"), (2, col_fmt, "columnwise")):
+        if amax_given & bit and not _tensor_scale(fmt):
+            raise ValueError(f"{where}: a given {side} amax needs an NVFP4 {side} format, got {fmt!r}")
+    want = (2 * n,) if amax_given else (0,)
+    if amax_in.shape != want or amax_in.dtype != jnp.float32:
+        raise ValueError(f"{where}: amax_in must be float32{list(want)} with amax_given {amax_given}, got "
+                         f"{amax_in.dtype}{list(amax_in.shape)}")
+
+
+def _quantize_abstract_eval(x, first_dims, last_dims, key_row, key_col, amax_in, *, row_fmt, col_fmt,
+                            representation, dbias, amax_given):
     where = f"jf4_grouped_quantize: x {jnp.dtype(x.dtype)}{list(x.shape)}"
     if not isinstance(representation, Representation):
         raise ValueError(f"{where}: representation must be a jax_fp4.reference.grouped.Representation, got "
@@ -136,6 +152,7 @@ def _quantize_abstract_eval(x, first_dims, last_dims, key_row, key_col, *, row_f
         if k.shape != (n, 2) or k.dtype != jnp.uint32:
             raise ValueError(f"{where}: {name} must be uint32[{n}, 2] (per-group Philox key words), got "
                              f"{k.dtype}{list(k.shape)}")
+    _check_amax_in(where, amax_in, amax_given, n, row_fmt, col_fmt)
     for fmt, axis in ((row_fmt, -1), (col_fmt, 0)):
         if fmt is not None:
             if not isinstance(fmt, Format):
@@ -184,15 +201,17 @@ grouped_dequantize_p.def_abstract_eval(lambda *a, local=False, **p: _dequantize_
 
 
 # ---- reference lowering (every platform; CUDA below when the extension is built) ----------------------------------
-def reference_quantize(x, first_dims, last_dims, key_row, key_col, *, row_fmt, col_fmt, representation, dbias):
+def reference_quantize(x, first_dims, last_dims, key_row, key_col, amax_in, *, row_fmt, col_fmt, representation, dbias,
+                       amax_given):
     """The primitive's semantics in pure jnp (its default lowering)."""
-    outs = []
-    for fmt, axis, kw in ((row_fmt, -1, key_row), (col_fmt, 0, key_col)):
+    outs, n = [], first_dims.shape[0]
+    for o, (fmt, axis, kw) in enumerate(((row_fmt, -1, key_row), (col_fmt, 0, key_col))):
         if fmt is None:
             outs += [jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.float32)]
             continue
         words = kw if isinstance(fmt, NVFP4) and fmt.stochastic_rounding else None
-        data, scale, amax = ref.quantize_groups(x, first_dims, last_dims, fmt, axis, words)
+        given = amax_in[o * n : (o + 1) * n] if amax_given & (1 << o) else None
+        data, scale, amax = ref.quantize_groups(x, first_dims, last_dims, fmt, axis, words, amax=given)
         outs += [data, scale, jnp.zeros((0,), jnp.float32) if amax is None else amax]
     outs.append(ref.column_sums(x, first_dims, last_dims, representation) if dbias
                 else jnp.zeros((0,), jnp.float32))
@@ -215,9 +234,9 @@ mlir.register_lowering(grouped_dequantize_p, partitioning.lowering(
 
 
 # ---- CUDA lowering (cpp/grouped/) -------------------------------------------------------------------------------
-# One persistent launch per call: `jf4_grouped_quantize` (the per-group NVFP4 amax pass, then the quantize; an extra
-# float32[2N] scratch result holds the real per-group amaxes) and `jf4_grouped_dequantize`. Group sizes stay on the
-# device. The pairings one launch does not serve (MXFP8 rowwise with NVFP4 or the other MXFP8 columnwise) run two
+# One persistent launch per call: `jf4_grouped_quantize` (the per-group NVFP4 amax pass unless every amax is given,
+# then the quantize; an extra float32[2N] scratch result holds the per-group amaxes it encodes with) and
+# `jf4_grouped_dequantize`. Group sizes stay on the device. The pairings one launch does not serve (MXFP8 rowwise with NVFP4 or the other MXFP8 columnwise) run two
 # launches; more than MAX_KERNEL_GROUPS groups run the reference. dbias is the reference's column sums (XLA ops).
 CUDA_TARGETS = ("jf4_grouped_quantize", "jf4_grouped_dequantize")
 MAX_KERNEL_GROUPS = 1024  # cpp/grouped/group_table.cuh kMaxGroups (the group table lives in shared memory)
@@ -234,10 +253,11 @@ def _options(fmt) -> int:
     return (OPT_SR if fmt.stochastic_rounding else 0) | (OPT_RHT if fmt.rht else 0)
 
 
-def quantize_flags(row_fmt, col_fmt) -> dict:
+def quantize_flags(row_fmt, col_fmt, amax_given: int = 0) -> dict:
     """The `jf4_grouped_quantize` attributes of a format pairing (np.int32 values)."""
     return dict(row_kind=np.int32(_kind(row_fmt)), col_kind=np.int32(_kind(col_fmt)),
-                flags=np.int32(_options(row_fmt) | (_options(col_fmt) << COL_SHIFT)))
+                flags=np.int32(_options(row_fmt) | (_options(col_fmt) << COL_SHIFT)),
+                amax_given=np.int32(amax_given))
 
 
 def dequantize_flags(fmt, axis, raw) -> dict:
@@ -260,24 +280,30 @@ def quantize_result_shapes(size, n, row_fmt, col_fmt) -> list:
         jax.ShapeDtypeStruct((2 * n if nv else 0,), jnp.float32)]
 
 
-def _kernel_quantize(x, first_dims, last_dims, key_row, key_col, *, row_fmt, col_fmt):
+def _kernel_quantize(x, first_dims, last_dims, key_row, key_col, amax_in, *, row_fmt, col_fmt, amax_given):
     """The six orientation outputs from `jf4_grouped_quantize` launches."""
-    if not _one_launch(row_fmt, col_fmt):
-        row = _kernel_quantize(x, first_dims, last_dims, key_row, key_col, row_fmt=row_fmt, col_fmt=None)
-        col = _kernel_quantize(x, first_dims, last_dims, key_row, key_col, row_fmt=None, col_fmt=col_fmt)
+    if not _one_launch(row_fmt, col_fmt):  # MXFP8 rowwise: its amax_given bit is 0
+        args = (x, first_dims, last_dims, key_row, key_col, amax_in)
+        row = _kernel_quantize(*args, row_fmt=row_fmt, col_fmt=None, amax_given=amax_given & 1)
+        col = _kernel_quantize(*args, row_fmt=None, col_fmt=col_fmt, amax_given=amax_given & 2)
         return row[:3] + col[3:]
+    if not amax_given:
+        amax_in = jnp.zeros((0,), jnp.float32)
     shapes = quantize_result_shapes(math.prod(x.shape), first_dims.shape[0], row_fmt, col_fmt)
-    outs = jax.ffi.ffi_call("jf4_grouped_quantize", shapes)(x, first_dims, last_dims, key_row, key_col,
-                                                             **quantize_flags(row_fmt, col_fmt))
+    outs = jax.ffi.ffi_call("jf4_grouped_quantize", shapes)(x, first_dims, last_dims, key_row, key_col, amax_in,
+                                                             **quantize_flags(row_fmt, col_fmt, amax_given))
     return tuple(outs[:6])
 
 
-def cuda_quantize(x, first_dims, last_dims, key_row, key_col, *, row_fmt, col_fmt, representation, dbias):
+def cuda_quantize(x, first_dims, last_dims, key_row, key_col, amax_in, *, row_fmt, col_fmt, representation, dbias,
+                  amax_given):
     """The CUDA lowering's function (module docstring semantics; the reference beyond MAX_KERNEL_GROUPS)."""
-    params = dict(row_fmt=row_fmt, col_fmt=col_fmt, representation=representation, dbias=dbias)
+    params = dict(row_fmt=row_fmt, col_fmt=col_fmt, representation=representation, dbias=dbias,
+                  amax_given=amax_given)
     if first_dims.shape[0] > MAX_KERNEL_GROUPS:
-        return reference_quantize(x, first_dims, last_dims, key_row, key_col, **params)
-    outs = _kernel_quantize(x, first_dims, last_dims, key_row, key_col, row_fmt=row_fmt, col_fmt=col_fmt)
+        return reference_quantize(x, first_dims, last_dims, key_row, key_col, amax_in, **params)
+    outs = _kernel_quantize(x, first_dims, last_dims, key_row, key_col, amax_in, row_fmt=row_fmt, col_fmt=col_fmt,
+                            amax_given=amax_given)
     db = (ref.column_sums(x, first_dims, last_dims, representation) if dbias else jnp.zeros((0,), jnp.float32))
     return (*outs, db)
 
@@ -336,16 +362,23 @@ batching.primitive_batchers[grouped_dequantize_p] = (
 
 # ---- binding helpers --------------------------------------------------------------------------------------------
 def grouped_quantize_raw(x, first_dims, last_dims, key_row=None, key_col=None, *, row_fmt, col_fmt,
-                         representation, dbias=False) -> dict:
-    """Bind `jf4_grouped_quantize` (module docstring); key words default to zeros. Returns the seven results by
-    name."""
+                         representation, dbias=False, row_amax=None, col_amax=None) -> dict:
+    """Bind `jf4_grouped_quantize` (module docstring); key words default to zeros; row_amax / col_amax: float32[N]
+    given NVFP4 amaxes of an orientation, or None to compute them. Returns the seven results by name."""
     n = first_dims.shape[0]
     zero = jnp.zeros((n, 2), jnp.uint32)
     key_row = zero if key_row is None else key_row
     key_col = zero if key_col is None else key_col
+    given = (1 if row_amax is not None else 0) | (2 if col_amax is not None else 0)
+    if given:
+        fill = jnp.zeros((n,), jnp.float32)
+        amax_in = jnp.concatenate([jnp.asarray(fill if a is None else a, jnp.float32).reshape(n)
+                                   for a in (row_amax, col_amax)])
+    else:
+        amax_in = jnp.zeros((0,), jnp.float32)
     outs = grouped_quantize_p.bind(x, first_dims.astype(jnp.int32), last_dims.astype(jnp.int32), key_row, key_col,
-                                   row_fmt=row_fmt, col_fmt=col_fmt, representation=representation,
-                                   dbias=bool(dbias))
+                                   amax_in, row_fmt=row_fmt, col_fmt=col_fmt, representation=representation,
+                                   dbias=bool(dbias), amax_given=given)
     return dict(zip(OUTPUT_NAMES, outs, strict=True))
 
 

@@ -119,12 +119,12 @@ def grouped_quantize_cp(prim, params, avals_in, avals_out, devices):
         rep = NamedSharding(mesh, PartitionSpec(None))
         s = _size(mesh, k)
 
-        def lower(x, first_dims, last_dims, key_row, key_col):
-            outs = prim.bind(x, first_dims, last_dims // s, key_row, key_col, local=True, **params)
+        def lower(x, first_dims, last_dims, key_row, key_col, amax_in):
+            outs = prim.bind(x, first_dims, last_dims // s, key_row, key_col, amax_in, local=True, **params)
             return views(outs, K // s)
 
         return (mesh, lower, tuple(NamedSharding(mesh, o) for o in outs),
-                (NamedSharding(mesh, PartitionSpec(None, k)), rep, rep, rep, rep))
+                (NamedSharding(mesh, PartitionSpec(None, k)), rep, rep, rep, rep, rep))
 
     z, k = iter(range(100)), Km[1]
     res = []
@@ -136,7 +136,7 @@ def grouped_quantize_cp(prim, params, avals_in, avals_out, devices):
             res += [f"r {k}", scale, f"z{next(z)}"]
     res.append(f"n {k}" if dbias else f"z{next(z)}")
     f.def_partition(partition=part, infer_sharding_from_operands=infer,
-                    sharding_rule=f"r {k}, n, n, n w0, n w1 -> " + ", ".join(res), **ks)
+                    sharding_rule=f"r {k}, n, n, n w0, n w1, a -> " + ", ".join(res), **ks)
 
     def call(*args):
         outs = f(*args)
