@@ -369,7 +369,8 @@ def quantize_groups(x, rows, cols, fmt: Format, axis: int, key_words=None, amax=
     x: bfloat16/float16/float32, any shape (read flat); rows, cols: int32[N]; axis: -1 or 0; key_words: uint32[N, 2]
     (`group_key_words`) for NVFP4 stochastic rounding, else None; amax: float32[N] given NVFP4 per-group tensor
     amaxes to encode with (after the RHT for RHT formats), or None to take each group's own. Returns (data [x.size]
-    in fmt.data_dtype, scale [x.size // block] in fmt.scale_dtype, amax float32[N] (NVFP4) or None), misaligned groups poisoned.
+    in fmt.data_dtype, scale [x.size // block] in fmt.scale_dtype, amax float32[N] (NVFP4) or None), misaligned
+    groups poisoned.
     """
     bs, n, size = fmt.block_size, rows.shape[0], math.prod(x.shape)
     rows, cols = rows.astype(I32), cols.astype(I32)

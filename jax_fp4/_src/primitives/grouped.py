@@ -236,8 +236,9 @@ mlir.register_lowering(grouped_dequantize_p, partitioning.lowering(
 # ---- CUDA lowering (cpp/grouped/) -------------------------------------------------------------------------------
 # One persistent launch per call: `jf4_grouped_quantize` (the per-group NVFP4 amax pass unless every amax is given,
 # then the quantize; an extra float32[2N] scratch result holds the per-group amaxes it encodes with) and
-# `jf4_grouped_dequantize`. Group sizes stay on the device. The pairings one launch does not serve (MXFP8 rowwise with NVFP4 or the other MXFP8 columnwise) run two
-# launches; more than MAX_KERNEL_GROUPS groups run the reference. dbias is the reference's column sums (XLA ops).
+# `jf4_grouped_dequantize`. Group sizes stay on the device. The pairings one launch does not serve (MXFP8 rowwise
+# with NVFP4 or the other MXFP8 columnwise) run two launches; more than MAX_KERNEL_GROUPS groups run the reference.
+# dbias is the reference's column sums (XLA ops).
 CUDA_TARGETS = ("jf4_grouped_quantize", "jf4_grouped_dequantize")
 MAX_KERNEL_GROUPS = 1024  # cpp/grouped/group_table.cuh kMaxGroups (the group table lives in shared memory)
 # jf4_grouped_quantize attributes: row_kind / col_kind and flags = row options | col options << COL_SHIFT, with the
