@@ -134,5 +134,16 @@ __global__ void __launch_bounds__(kThreads) GroupedAmaxKernel(const AmaxArgs a) 
   }
 }
 
+// Host-side launch (persistent grid); a.amax_bits must be zeroed first.
+template <typename In>
+cudaError_t LaunchAmax(const AmaxArgs& a, cudaStream_t stream) {
+  const size_t smem = TableBytes(a.n);
+  unsigned grid = 0;
+  const cudaError_t err = PersistentGrid(GroupedAmaxKernel<In>, smem, &grid);
+  if (err != cudaSuccess) return err;
+  GroupedAmaxKernel<In><<<grid, kThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
 }  // namespace grouped
 }  // namespace jax_fp4

@@ -319,5 +319,27 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<kRow, kCol>()) GroupedQuan
   }
 }
 
+// Host-side launch of one pairing (persistent grid; the options-free NVFP4 kernels use the tile routine's plain
+// variant). Shared by the FFI handler and tools/kernel_check/grouped_check.cu.
+template <typename In, int kRow, int kCol>
+cudaError_t LaunchQuantize(const QuantArgs& a, cudaStream_t stream) {
+  static_assert(kRow != kNone || kCol != kNone, "no orientation");
+  const size_t smem = TableBytes(a.n);
+  unsigned grid = 0;
+  cudaError_t err;
+  if constexpr (kRow == kNvfp4 || kCol == kNvfp4) {
+    if (a.row_opts == 0 && a.col_opts == 0) {
+      err = PersistentGrid(GroupedQuantizeKernel<In, kRow, kCol, true>, smem, &grid);
+      if (err != cudaSuccess) return err;
+      GroupedQuantizeKernel<In, kRow, kCol, true><<<grid, kThreads, smem, stream>>>(a);
+      return cudaGetLastError();
+    }
+  }
+  err = PersistentGrid(GroupedQuantizeKernel<In, kRow, kCol, false>, smem, &grid);
+  if (err != cudaSuccess) return err;
+  GroupedQuantizeKernel<In, kRow, kCol, false><<<grid, kThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
 }  // namespace grouped
 }  // namespace jax_fp4

@@ -89,28 +89,11 @@ bool Supported(int row_kind, int col_kind) {
 
 template <typename In, int kRow, int kCol>
 ffi::Error LaunchPair(const QuantArgs& a, bool amax_pass, const grouped::AmaxArgs& am, cudaStream_t stream) {
-  const size_t smem = grouped::TableBytes(a.n);
-  unsigned grid = 0;
-  if (amax_pass) {
-    JF4_CUDA_CHECK(grouped::PersistentGrid(grouped::GroupedAmaxKernel<In>, smem, &grid));
-    grouped::GroupedAmaxKernel<In><<<grid, grouped::kThreads, smem, stream>>>(am);
-    JF4_CUDA_CHECK(cudaGetLastError());
-  }
-  constexpr bool kNv = kRow == quantize::kNvfp4 || kCol == quantize::kNvfp4;
   if constexpr (kRow == quantize::kNone && kCol == quantize::kNone) {
     return ffi::Error::InvalidArgument("jf4_grouped_quantize: no orientation requested");
   } else {
-    if constexpr (kNv) {  // options-free NVFP4: the tile routine's plain variant
-      if (a.row_opts == 0 && a.col_opts == 0) {
-        JF4_CUDA_CHECK(grouped::PersistentGrid(grouped::GroupedQuantizeKernel<In, kRow, kCol, true>, smem, &grid));
-        grouped::GroupedQuantizeKernel<In, kRow, kCol, true><<<grid, grouped::kThreads, smem, stream>>>(a);
-        JF4_CUDA_CHECK(cudaGetLastError());
-        return ffi::Error::Success();
-      }
-    }
-    JF4_CUDA_CHECK(grouped::PersistentGrid(grouped::GroupedQuantizeKernel<In, kRow, kCol, false>, smem, &grid));
-    grouped::GroupedQuantizeKernel<In, kRow, kCol, false><<<grid, grouped::kThreads, smem, stream>>>(a);
-    JF4_CUDA_CHECK(cudaGetLastError());
+    if (amax_pass) JF4_CUDA_CHECK(grouped::LaunchAmax<In>(am, stream));
+    JF4_CUDA_CHECK((grouped::LaunchQuantize<In, kRow, kCol>(a, stream)));
     return ffi::Error::Success();
   }
 }
