@@ -37,7 +37,8 @@ struct QuantArgs {
   const int32_t* last_dims;   // [N]
   const uint32_t* key_row;    // [N, 2] Philox key words per group
   const uint32_t* key_col;
-  const float* amax;          // [2N] per-group amax (row, then column) from GroupedAmaxKernel; null without NVFP4
+  const float* amax_row;      // [N] per-group NVFP4 amaxes (GroupedAmaxKernel's or given); null without that side
+  const float* amax_col;      // [N]
   uint8_t* row_data;
   uint8_t* row_scale;
   float* row_amax;            // [N] output (poisoned)
@@ -127,7 +128,7 @@ __device__ __forceinline__ uint32_t Nvfp4Block(const QuantArgs& a, const Table& 
     v[i] = src < a.size ? quantize::ToFloat<In>(x[src]) : 0.0f;
   }
   if (opts & quantize::kRht) cvt::RhtForward16(v);
-  const float enc = cvt::GlobalEncodeScale(a.amax[(col ? a.n : 0) + g]);
+  const float enc = cvt::GlobalEncodeScale((col ? a.amax_col : a.amax_row)[g]);
   const uint32_t* key = (col ? a.key_col : a.key_row) + 2 * int64_t(g);
   return quantize::EncodeNvfp4(v, quantize::Max16(v), enc, false, opts & quantize::kSr, 16 * b, key,
                                reinterpret_cast<uint8_t*>(codes));
@@ -226,15 +227,21 @@ __device__ __forceinline__ void GenericMxfp8(const QuantArgs& a, const Table& t,
 }
 
 // ---- the kernel ---------------------------------------------------------------------------------------------------
-// At most 64 registers (4 resident blocks per SM, as the single-tensor tile kernel gets): the rare generic path may
-// spill a little rather than cost the tile path occupancy.
-constexpr int kMinBlocks = 4;
-
-// MXFP8 in one orientation: 5 resident blocks (at most 51 registers), as their single-tensor kernels get with 47.
-// (MXFP8 row+col measured slower with 5 than with 4: 58.1 against 60.6 % of copy at 16384x4096, 8 groups, H200.)
+// Resident blocks per SM (__launch_bounds__; the rare generic path may spill a little rather than cost the tile path
+// occupancy). Measured with tools/kernel_check/grouped_check.cu on an H100 (kernel mode, % of copy at 16384 x 4096 /
+// 7168 with 8 / 64 groups), against 4 blocks (64 registers) for every NVFP4 pairing:
+//  * NVFP4 rowwise: 6 blocks (40 registers), 73.3 / 67.4, 75.3 / 68.4 -> 81.8 / 72.5, 83.3 / 76.2 (5 blocks: 79.8 /
+//    74.3, 80.9 / 71.6);
+//  * NVFP4 columnwise (RHT) 5 blocks: 36.8 / 33.1, 37.6 / 34.1 -> 38.7 / 36.1, 38.8 / 35.3 (6: 38.5 / 34.3, 38.8 /
+//    35.2); NVFP4 row+col 5 blocks: 48.7 / 44.3, 48.2 / 45.1 -> 51.5 / 49.4, 49.4 / 47.4; mixed 5 blocks: 63.8 /
+//    59.0, 64.6 / 59.8 -> 65.1 / 62.1, 64.3 / 59.6;
+//  * MXFP8 in one orientation: 5 blocks (as their single-tensor kernels get); MXFP8 row+col: 4 (5 blocks: 77.5 ->
+//    72.1 at 16384 x 4096, 8 groups).
 template <int kRow, int kCol>
 __host__ __device__ constexpr int MinBlocks() {
-  return kRow != kNvfp4 && kCol != kNvfp4 && (kRow == kNone || kCol == kNone) ? 5 : kMinBlocks;
+  constexpr bool kNv = kRow == kNvfp4 || kCol == kNvfp4, kOne = kRow == kNone || kCol == kNone;
+  if (!kNv) return kOne ? 5 : 4;
+  return kRow == kNvfp4 && kCol == kNone ? 6 : 5;
 }
 
 template <typename In, int kRow, int kCol, bool kPlain>
@@ -245,8 +252,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<kRow, kCol>()) GroupedQuan
   const int row_opts = kPlain ? 0 : a.row_opts, col_opts = kPlain ? 0 : a.col_opts;
   if (blockIdx.x == 0) {  // the NVFP4 amax outputs, NaN for misaligned groups (read by no other block)
     for (int g = threadIdx.x; g < t.n; g += kThreads) {
-      if (kRow == kNvfp4) a.row_amax[g] = t.cols[g] % 16 ? __uint_as_float(0x7FC00000u) : a.amax[g];
-      if (kCol == kNvfp4) a.col_amax[g] = t.rows[g] % 16 ? __uint_as_float(0x7FC00000u) : a.amax[t.n + g];
+      if (kRow == kNvfp4) a.row_amax[g] = t.cols[g] % 16 ? __uint_as_float(0x7FC00000u) : a.amax_row[g];
+      if (kCol == kNvfp4) a.col_amax[g] = t.rows[g] % 16 ? __uint_as_float(0x7FC00000u) : a.amax_col[g];
     }
   }
   const In* x = static_cast<const In*>(a.x);
@@ -283,8 +290,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<kRow, kCol>()) GroupedQuan
       }
       q.row_opts = row_opts, q.col_opts = col_opts;
       q.vector_loads = (k * int64_t(sizeof(In))) % 16 == 0 && reinterpret_cast<uintptr_t>(x + off) % 16 == 0;
-      const float enc_row = kRow == kNvfp4 ? cvt::GlobalEncodeScale(a.amax[g]) : 1.0f;
-      const float enc_col = kCol == kNvfp4 ? cvt::GlobalEncodeScale(a.amax[t.n + g]) : 1.0f;
+      const float enc_row = kRow == kNvfp4 ? cvt::GlobalEncodeScale(a.amax_row[g]) : 1.0f;
+      const float enc_col = kCol == kNvfp4 ? cvt::GlobalEncodeScale(a.amax_col[g]) : 1.0f;
       if ((row_tab || col_tab) && g != tab_g) {
         if (row_tab) quantize::MultiplierTable(tab[0], enc_row, 0);
         if (col_tab) quantize::MultiplierTable(tab[1], enc_col, 128);

@@ -6,13 +6,13 @@
 // rounding), amax_in f32[2N] or [0] (given per-group NVFP4 tensor amaxes, row then column), then any number of ignored
 // operands (tests alias poisoned buffers to the results through them).
 // Results (7; placeholders of 0 elements where an orientation is absent): row_data [size], row_scale [size / block],
-// row_amax f32[N] (NVFP4, else [0]), col_data, col_scale, col_amax, and scratch f32[2N] (the real per-group amaxes
-// the quantize reads; [0] without NVFP4). Attributes: row_kind, col_kind (quantize::Kind), flags (row options | col
-// options << 8; NVFP4 kSr / kRht only), amax_given (bit 0: the rowwise, bit 1: the columnwise NVFP4 amaxes come from
-// amax_in, which must then be f32[2N]; the others are computed). Every size is checked, so a mismatched call is an
-// InvalidArgument error. Command-buffer compatible: NVFP4 adds a cudaMemsetAsync of the scratch, a device-to-device
-// copy of each given orientation's amaxes into it and the per-group amax kernel for the computed ones (none when
-// every NVFP4 orientation's amax is given) before the quantize kernel; no host sync, no allocation.
+// row_amax f32[N] (NVFP4, else [0]), col_data, col_scale, col_amax, and scratch f32[2N] (the computed per-group
+// amaxes, row then column; [0] without NVFP4). Attributes: row_kind, col_kind (quantize::Kind), flags (row options |
+// col options << 8; NVFP4 kSr / kRht only), amax_given (bit 0: the rowwise, bit 1: the columnwise NVFP4 amaxes come
+// from amax_in, which must then be f32[2N], and the quantize kernel reads them there; the others are computed). Every
+// size is checked, so a mismatched call is an InvalidArgument error. Command-buffer compatible: an NVFP4 orientation
+// whose amaxes are computed adds a cudaMemsetAsync of the scratch and the per-group amax kernel before the quantize
+// kernel (with every NVFP4 amax given: the quantize kernel alone); no host sync, no allocation.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -175,22 +175,18 @@ ffi::Error GroupedQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffe
   JF4_CHECK(first_dims.typed_data() != nullptr && last_dims.typed_data() != nullptr, where + ": null dims");
 
   grouped::AmaxArgs am{};
-  if (nv) {
+  if (nv) {  // given orientations read amax_in directly; the computed ones the scratch the amax kernel fills
     float* s = scratch->typed_data();
-    JF4_CUDA_CHECK(cudaMemsetAsync(s, 0, sizeof(float) * 2 * n, stream));
-    for (int o = 0; o < 2; ++o) {
-      if (o ? col_given : row_given) {
-        JF4_CUDA_CHECK(cudaMemcpyAsync(s + o * n, amax_in.typed_data() + o * n, sizeof(float) * n,
-                                       cudaMemcpyDeviceToDevice, stream));
-      }
-    }
-    a.amax = s;
+    a.amax_row = row_given ? amax_in.typed_data() : s;
+    a.amax_col = col_given ? amax_in.typed_data() + n : s + n;
     am.x = a.x, am.size = size, am.n = a.n;
     am.first_dims = a.first_dims, am.last_dims = a.last_dims;
     am.amax_bits = reinterpret_cast<uint32_t*>(s);
     am.row = row_nv && !row_given, am.col = col_nv && !col_given;
     am.row_rht = row_nv && (a.row_opts & quantize::kRht);
     am.col_rht = col_nv && (a.col_opts & quantize::kRht);
+    // The amax kernel max-reduces into zeroed scratch (and reads nothing else of it); all given: no launch at all.
+    if (am.row || am.col) JF4_CUDA_CHECK(cudaMemsetAsync(s, 0, sizeof(float) * 2 * n, stream));
   }
   const bool amax_pass = nv && size > 0 && (am.row || am.col);
   return DispatchFloat(x.element_type(), "jf4_grouped_quantize: x", [&](auto tag) -> ffi::Error {

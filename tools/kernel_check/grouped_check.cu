@@ -277,7 +277,7 @@ int main(int argc, char** argv) {
       Out row = Alloc(v.row, c.size, n), col = Alloc(v.col, c.size, n);
       grouped::QuantArgs a{};
       a.x = x, a.size = c.size, a.n = n, a.first_dims = first, a.last_dims = last, a.key_row = key, a.key_col = key;
-      a.amax = amax;
+      a.amax_row = amax, a.amax_col = amax + n;
       a.row_data = row.data, a.row_scale = row.scale, a.row_amax = row.amax;
       a.col_data = col.data, a.col_scale = col.scale, a.col_amax = col.amax;
       a.row_opts = v.row_opts, a.col_opts = v.col_opts;
