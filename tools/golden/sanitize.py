@@ -35,9 +35,12 @@ outs = [
     # grouped MXFP8 (4-tile work units, prefetched) with a group of 5 row tiles, an empty group and a tail
     jax_fp4.grouped_quantize_rowwise_columnwise(x[:, :128], jnp.asarray([288, 0, 32], jnp.int32), M(), M()),
     jax_fp4.grouped_quantize(x[:, :128], jnp.asarray([288, 0, 32], jnp.int32), M(element="e5m2")),
-    # grouped NVFP4 with given amaxes: the columnwise ones copied in, the rowwise ones computed
+    # grouped NVFP4 with given amaxes: the columnwise ones read in place, the rowwise ones computed; then every amax
+    # given (no amax kernel, no scratch memset)
     jax_fp4.grouped_quantize_rowwise_columnwise(x[:, :128], jnp.asarray([288, 0, 32], jnp.int32), N(), N(rht=True),
                                                 col_amax=jnp.asarray([1.0, 2.0, 3.0], jnp.float32)),
+    jax_fp4.grouped_quantize(x[:, :128], jnp.asarray([288, 0, 32], jnp.int32), N(),
+                             amax=jnp.asarray([4.0, 5.0, 6.0], jnp.float32)),
 ]
 q_nv = jax_fp4.quantize(x, N(rht=True), axis=0, scale_layout="swizzled")  # transposed output, swizzled scales
 q_mx = jax_fp4.quantize(xf, M(), axis=0)  # columnwise, C = 40: partial segments
