@@ -24,19 +24,12 @@
 #include <string>
 #include <vector>
 
+#include "check_common.cuh"
 #include "dequantize/dequantize.cuh"
 #include "swizzle/swizzle.cuh"
 
 namespace dq = jax_fp4::dequantize;
 
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 enum OutType { kF32 = 0, kBf16 = 1, kF16 = 2 };
 enum Op { kDequantize = 0, kSwizzleOp = 1, kUnswizzleOp = 2 };
@@ -190,54 +183,10 @@ cudaError_t Launch(const Variant& v, const Run& r) {
 #undef JF4_KIND
 }
 
-double TimeUs(const Variant& v, const Run& r, int iters) {
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; ++i) CK(Launch(v, r));
-  double best = 1e30;
-  for (int rep = 0; rep < 3; ++rep) {
-    CK(cudaEventRecord(e0));
-    for (int i = 0; i < iters; ++i) CK(Launch(v, r));
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    best = std::fmin(best, 1e3 * ms / iters);
-  }
-  return best;
-}
-
-double CopyUs(int64_t bytes) {
-  void *x, *y;
-  CK(cudaMalloc(&x, bytes));
-  CK(cudaMalloc(&y, bytes));
-  CK(cudaMemset(x, 1, bytes));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  double best = 1e30;
-  for (int rep = 0; rep < 4; ++rep) {
-    CK(cudaEventRecord(e0));
-    for (int i = 0; i < 20; ++i) CK(cudaMemcpyAsync(y, x, bytes, cudaMemcpyDeviceToDevice));
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    if (rep) best = std::fmin(best, 1e3 * ms / 20);
-  }
-  cudaFree(x), cudaFree(y);
-  return best;
-}
-
 int main(int argc, char** argv) {
-  const std::string mode = argc > 1 ? argv[1] : "time";
-  const bool check = mode == "dump" || mode == "compare";
-  const std::string dir = check && argc > 2 ? argv[2] : ".";
-  const std::string only = argc > (check ? 3 : 2) ? argv[check ? 3 : 2] : "";
-  cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  const kernel_check::Cli cli = kernel_check::ParseCli(argc, argv);
+  const std::string &mode = cli.mode, &dir = cli.dir, &only = cli.only;
+  const bool check = cli.check;
   std::vector<Shape> shapes;
   if (check) {
     shapes = {{1, 256, 256}, {3, 96, 192}, {2, 200, 160}, {1, 100, 320}, {1, 1000, 1024}, {2, 64, 64},
@@ -252,7 +201,7 @@ int main(int argc, char** argv) {
     const int64_t n = s.P * s.R * s.C;
     double copy_us = 0;
     if (!check) {
-      copy_us = CopyUs(n * 2);
+      copy_us = kernel_check::CopyUs(n * 2);
       std::printf("[%lldx%lldx%lld] copy of bf16 x %.1f us = %.2f TB/s (read + write)\n", (long long)s.P,
                   (long long)s.R, (long long)s.C, copy_us, 4.0 * n / copy_us / 1e6);
     }
@@ -292,12 +241,12 @@ int main(int argc, char** argv) {
           failures += !have || diff;
         }
       } else if (mode == "time") {
-        const double t = TimeUs(v, r, 20), bytes = double(r.in_bytes + r.out_bytes);
+        const double t = kernel_check::BestUs([&] { return Launch(v, r); }, 20), bytes = double(r.in_bytes + r.out_bytes);
         const double ceil_bps = 4.0 * n / copy_us * 1e6;
         std::printf("  %-28s %8.1f us %7.0f GB/s %5.1f%% of copy", v.name, t, bytes / (t * 1e-6) / 1e9,
                     100 * bytes / (t * 1e-6) / ceil_bps);
         if (v.op != kDequantize) {  // small matrices: also against a copy of the same bytes
-          const double same = CopyUs(int64_t(r.in_bytes));
+          const double same = kernel_check::CopyUs(int64_t(r.in_bytes));
           std::printf("  (copy of the %.1f MB input: %.1f us)", r.in_bytes / 1e6, same);
         }
         std::printf("\n");

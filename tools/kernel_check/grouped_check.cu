@@ -27,18 +27,11 @@
 
 #include "grouped/grouped_amax.cuh"
 #include "grouped/grouped_quantize.cuh"
+#include "check_common.cuh"
 
 using namespace jax_fp4;
 using namespace jax_fp4::quantize;
 
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 struct Variant {
   const char* name;
@@ -103,27 +96,6 @@ std::vector<Case> CheckCases() {
   return cs;
 }
 
-std::vector<uint16_t> MakeInput(int64_t n, uint64_t seed) {
-  std::mt19937_64 g(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::uniform_int_distribution<int> bin(-30, 30), pick(0, 999);
-  const uint16_t edge[] = {0x7FC0, 0xFFC1, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x8001, 0x007F, 0x7F7F, 0xFF7F};
-  std::vector<uint16_t> h(n);
-  int scale = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    if (i % 64 == 0) scale = bin(g);
-    if (pick(g) < 3) {
-      h[i] = edge[(i / 7) % (sizeof(edge) / 2)];
-    } else {
-      const float f = std::ldexp(nd(g), scale);
-      uint32_t u;
-      std::memcpy(&u, &f, 4);
-      h[i] = uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-    }
-  }
-  return h;
-}
-
 template <typename T>
 T* DevCopy(const std::vector<T>& h) {
   T* d = nullptr;
@@ -171,44 +143,6 @@ LaunchFn Pick(int row, int col) {
   std::exit(1);
 }
 
-double TimeUs(LaunchFn f, const grouped::QuantArgs& a, int iters) {
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; ++i) CK(f(a, 0));
-  double best = 1e30;
-  for (int rep = 0; rep < 3; ++rep) {
-    CK(cudaEventRecord(e0));
-    for (int i = 0; i < iters; ++i) CK(f(a, 0));
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    best = std::fmin(best, 1e3 * ms / iters);
-  }
-  return best;
-}
-
-double CopyUs(const void* x, int64_t bytes) {
-  void* y;
-  CK(cudaMalloc(&y, bytes));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  double best = 1e30;
-  for (int rep = 0; rep < 3; ++rep) {
-    CK(cudaEventRecord(e0));
-    for (int i = 0; i < 20; ++i) CK(cudaMemcpyAsync(y, x, bytes, cudaMemcpyDeviceToDevice));
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    best = std::fmin(best, 1e3 * ms / 20);
-  }
-  cudaFree(y);
-  return best;
-}
-
 // Compares the fetched outputs with DIR's file (compare) or writes it (dump); returns the number of differing parts.
 int DumpOrCompare(const std::string& mode, const std::string& dir, const Variant& v, const Case& c,
                   const std::vector<std::vector<uint8_t>>& got) {
@@ -228,37 +162,20 @@ int DumpOrCompare(const std::string& mode, const std::string& dir, const Variant
     return 1;
   }
   const char* names[] = {"row data", "row scale", "row amax", "col data", "col scale", "col amax"};
-  int bad = 0;
-  for (int i = 0; i < 6; ++i) {
-    std::vector<uint8_t> want(got[i].size());
-    if (std::fread(want.data(), 1, want.size(), f) != want.size()) std::memset(want.data(), 0xEE, want.size());
-    size_t diff = 0, first = 0;
-    for (size_t j = 0; j < want.size(); ++j) {
-      if (want[j] != got[i][j] && diff++ == 0) first = j;
-    }
-    if (diff) {
-      std::printf("  MISMATCH %s %s [%s]: %zu of %zu bytes differ, first at %zu (%02x vs %02x)\n", v.name, names[i],
-                  c.name.c_str(), diff, want.size(), first, want[first], got[i][first]);
-      ++bad;
-    }
-  }
+  const int bad = kernel_check::CompareParts(f, got, names, std::string(v.name) + " [" + c.name + "]");
   std::fclose(f);
   std::printf("%-30s [%s] %s\n", v.name, c.name.c_str(), bad ? "DIFFERS" : "bit-exact");
   return bad;
 }
 
 int main(int argc, char** argv) {
-  const std::string mode = argc > 1 ? argv[1] : "time";
-  const bool check = mode == "dump" || mode == "compare";
-  const std::string dir = check && argc > 2 ? argv[2] : ".";
-  const std::string only = argc > (check ? 3 : 2) ? argv[check ? 3 : 2] : "";
-  cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  const kernel_check::Cli cli = kernel_check::ParseCli(argc, argv);
+  const std::string &mode = cli.mode, &dir = cli.dir, &only = cli.only;
+  const bool check = cli.check;
   int failures = 0;
   for (const Case& c : check ? CheckCases() : TimeCases()) {
     const int n = int(c.first.size());
-    const std::vector<uint16_t> h = MakeInput(c.size, 99 + c.size);
+    const std::vector<uint16_t> h = kernel_check::MakeBf16Input(c.size, 99 + c.size);
     const void* x = DevCopy(h);
     const int32_t* first = DevCopy(c.first);
     const int32_t* last = DevCopy(c.last);
@@ -269,7 +186,7 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(reinterpret_cast<void**>(&amax), 8 * n));
     double copy_us = 0;
     if (!check) {
-      copy_us = CopyUs(x, 2 * c.size);
+      copy_us = kernel_check::CopyUs(2 * c.size, x);
       std::printf("[%s] copy %.1f us = %.2f TB/s (read + write)\n", c.name.c_str(), copy_us, 4.0 * c.size / copy_us / 1e6);
     }
     for (const Variant& v : kVariants) {
@@ -311,7 +228,7 @@ int main(int argc, char** argv) {
         }
         failures += DumpOrCompare(mode, dir, v, c, got) != 0;
       } else {
-        const double t = TimeUs(fn, a, 20);
+        const double t = kernel_check::BestUs([&] { return fn(a, 0); }, 20);
         const double bytes = 2.0 * c.size + row.data_bytes + row.scale_bytes + col.data_bytes + col.scale_bytes;
         const double ceil_bps = 4.0 * c.size / copy_us * 1e6;
         std::printf("  %-30s %8.1f us %7.0f GB/s %5.1f%% of copy\n", v.name, t, bytes / (t * 1e-6) / 1e9,

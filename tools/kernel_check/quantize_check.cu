@@ -22,18 +22,11 @@
 #include <string>
 #include <vector>
 
+#include "check_common.cuh"
 #include "quantize/quantize.cuh"
 
 using namespace jax_fp4::quantize;
 
-#define CK(x)                                                                             \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
 
 struct Variant {
   const char* name;
@@ -116,28 +109,6 @@ void Free(Out& o) {
   cudaFree(o.wamax);
 }
 
-std::vector<uint16_t> MakeInput(const Shape& s, uint64_t seed) {
-  std::mt19937_64 g(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::uniform_int_distribution<int> bin(-30, 30), pick(0, 999);
-  const uint16_t edge[] = {0x7FC0, 0xFFC1, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x8001, 0x007F, 0x7F7F, 0xFF7F};
-  std::vector<uint16_t> h(s.P * s.M * s.K);
-  int64_t row_scale = 0;
-  for (int64_t i = 0; i < int64_t(h.size()); ++i) {
-    if (i % 64 == 0) row_scale = bin(g);  // many binades across blocks
-    const int r = pick(g);
-    if (r < 3) {
-      h[i] = edge[(i / 7) % (sizeof(edge) / 2)];
-    } else {
-      float f = std::ldexp(nd(g), int(row_scale));
-      uint32_t u;
-      std::memcpy(&u, &f, 4);
-      h[i] = uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-    }
-  }
-  return h;
-}
-
 struct Run {
   Out row, col;
   float* dbias = nullptr;
@@ -205,24 +176,6 @@ LaunchFn Pick(int row, int col) {
   std::exit(1);
 }
 
-double TimeUs(LaunchFn f, const Args& a, int iters) {
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; ++i) CK(f(a, 0));
-  double best = 1e30;
-  for (int rep = 0; rep < 3; ++rep) {
-    CK(cudaEventRecord(e0));
-    for (int i = 0; i < iters; ++i) CK(f(a, 0));
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    best = std::fmin(best, 1e3 * ms / iters);
-  }
-  return best;
-}
-
 double Bytes(const Run& r, const Shape& s) {
   double b = double(s.P * s.M * s.K) * 2;
   for (const Out* o : {&r.row, &r.col}) b += o->data_bytes + o->scale_bytes + o->wamax_bytes;
@@ -230,13 +183,9 @@ double Bytes(const Run& r, const Shape& s) {
 }
 
 int main(int argc, char** argv) {
-  const std::string mode = argc > 1 ? argv[1] : "time";
-  const bool check = mode == "dump" || mode == "compare";
-  const std::string dir = check && argc > 2 ? argv[2] : ".";
-  const std::string only = argc > (check ? 3 : 2) ? argv[check ? 3 : 2] : "";
-  cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  const kernel_check::Cli cli = kernel_check::ParseCli(argc, argv);
+  const std::string &mode = cli.mode, &dir = cli.dir, &only = cli.only;
+  const bool check = cli.check;
   std::vector<Shape> shapes;
   if (check) {
     shapes = {{1, 256, 256}, {3, 96, 200}, {2, 208, 136}, {1, 320, 1000}, {1, 64, 8}, {1, 96, 100}, {1, 1024, 1024}};
@@ -248,7 +197,7 @@ int main(int argc, char** argv) {
   int failures = 0;
   for (const Shape& s : shapes) {
     const int64_t n = s.P * s.M * s.K;
-    const std::vector<uint16_t> h = MakeInput(s, 1234 + n);
+    const std::vector<uint16_t> h = kernel_check::MakeBf16Input(n, 1234 + n);
     void* x;
     CK(cudaMalloc(&x, n * 2));
     CK(cudaMemcpy(x, h.data(), n * 2, cudaMemcpyHostToDevice));
@@ -273,22 +222,7 @@ int main(int argc, char** argv) {
     CK(cudaMemcpy(d_key, key, 16, cudaMemcpyHostToDevice));
     double copy_us = 0;
     if (!check) {
-      void* y;
-      CK(cudaMalloc(&y, n * 2));
-      cudaEvent_t e0, e1;
-      CK(cudaEventCreate(&e0));
-      CK(cudaEventCreate(&e1));
-      copy_us = 1e30;
-      for (int rep = 0; rep < 3; ++rep) {
-        CK(cudaEventRecord(e0));
-        for (int i = 0; i < 20; ++i) CK(cudaMemcpyAsync(y, x, n * 2, cudaMemcpyDeviceToDevice));
-        CK(cudaEventRecord(e1));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        copy_us = std::fmin(copy_us, 1e3 * ms / 20);
-      }
-      cudaFree(y);
+      copy_us = kernel_check::CopyUs(n * 2, x);
       std::printf("[%lldx%lldx%lld] copy %.1f us = %.2f TB/s (read + write)\n", (long long)s.P, (long long)s.M,
                   (long long)s.K, copy_us, 4.0 * n / copy_us / 1e6);
     }
@@ -321,27 +255,14 @@ int main(int argc, char** argv) {
           continue;
         }
         const char* names[] = {"row data", "row scale", "row wamax", "col data", "col scale", "col wamax", "dbias"};
-        int bad = 0;
-        for (int i = 0; i < 7; ++i) {
-          std::vector<uint8_t> want(got[i].size());
-          if (std::fread(want.data(), 1, want.size(), f) != want.size()) std::memset(want.data(), 0xEE, want.size());
-          size_t diff = 0, first = 0;
-          for (size_t j = 0; j < want.size(); ++j) {
-            if (want[j] != got[i][j] && diff++ == 0) first = j;
-          }
-          if (diff) {
-            std::printf("  MISMATCH %s %s [%lld,%lld,%lld]: %zu of %zu bytes differ, first at %zu (%02x vs %02x)\n",
-                        v.name, names[i], (long long)s.P, (long long)s.M, (long long)s.K, diff, want.size(), first,
-                        want[first], got[i][first]);
-            ++bad;
-          }
-        }
+        const std::string shape = "[" + std::to_string(s.P) + "," + std::to_string(s.M) + "," + std::to_string(s.K) + "]";
+        const int bad = kernel_check::CompareParts(f, got, names, std::string(v.name) + " " + shape);
         std::fclose(f);
         std::printf("%-30s [%lld,%lld,%lld] %s\n", v.name, (long long)s.P, (long long)s.M, (long long)s.K,
                     bad ? "DIFFERS" : "bit-exact");
         failures += bad != 0;
       } else if (mode == "time") {
-        const double t = TimeUs(fn, r.a, 20);
+        const double t = kernel_check::BestUs([&] { return fn(r.a, 0); }, 20);
         const double bytes = Bytes(r, s), ceil_bps = 4.0 * n / copy_us * 1e6;
         std::printf("  %-30s %8.1f us %7.0f GB/s %5.1f%% of copy\n", v.name, t, bytes / (t * 1e-6) / 1e9,
                     100 * bytes / (t * 1e-6) / ceil_bps);
