@@ -6,9 +6,10 @@
 //    dequantize::DecodeSegment on a dequantize::Args describing the group as a [1, R, C] tensor (data / scales offset
 //    to the group, its amax). Stored layouts that keep x's layout (NVFP4 rowwise, MXFP8 both orientations) run
 //    kRuns x 256 segments of 16 elements per unit: each thread decodes its kRuns segments (all loads issued) before
-//    its first store, so more bytes are in flight (the single-tensor FlatKernel's idea); NVFP4 columnwise (stored x_g.T) runs kTilesPerUnit of the single-tensor transposed kernel's 128x64 tiles per
-//    unit with its per-variant decodes (TransposedTile: plain or inverse RHT, each in an instantiation of its own). raw (the GEMM emulation's operand value(q) * s_b) is the
-//    single-tensor kBlockOnly mode, without the inverse RHT.
+//    its first store, so more bytes are in flight (the single-tensor FlatKernel's idea); NVFP4 columnwise (stored
+//    x_g.T) runs kTilesPerUnit of the single-tensor transposed kernel's 128x64 tiles per unit with its per-variant
+//    decodes (TransposedTile: plain or inverse RHT, each in an instantiation of its own). raw (the GEMM emulation's
+//    operand value(q) * s_b) is the single-tensor kBlockOnly mode, without the inverse RHT.
 //  * Generic path (misaligned traced groups and their successors): one thread per internal block of the group's
 //    oriented order, reading codes and the scale slot exactly where the reference does (bounded by the buffers).
 // Every output element is written exactly once; no atomics, no scratch (CUDA-graph safe).
@@ -212,7 +213,8 @@ __host__ __device__ constexpr int DequantMinBlocks() {
 }
 
 template <typename Out, int kKind, int kTiles>
-__global__ void __launch_bounds__(kThreads, DequantMinBlocks<Out, kTiles>()) GroupedDequantizeKernel(const DequantArgs a) {
+__global__ void __launch_bounds__(kThreads, DequantMinBlocks<Out, kTiles>())
+    GroupedDequantizeKernel(const DequantArgs a) {
   constexpr bool kNv = kKind == dequantize::kNvfp4;
   constexpr int bs = kNv ? 16 : 32;
   // NVFP4 columnwise: the float tile, or with kTiles TransposedTile's output pairs (one buffer, the larger size)

@@ -241,7 +241,8 @@ int main(int argc, char** argv) {
           failures += !have || diff;
         }
       } else if (mode == "time") {
-        const double t = kernel_check::BestUs([&] { return Launch(v, r); }, 20), bytes = double(r.in_bytes + r.out_bytes);
+        const double t = kernel_check::BestUs([&] { return Launch(v, r); }, 20);
+        const double bytes = double(r.in_bytes + r.out_bytes);
         const double ceil_bps = 4.0 * n / copy_us * 1e6;
         std::printf("  %-28s %8.1f us %7.0f GB/s %5.1f%% of copy", v.name, t, bytes / (t * 1e-6) / 1e9,
                     100 * bytes / (t * 1e-6) / ceil_bps);

@@ -187,7 +187,8 @@ int main(int argc, char** argv) {
     double copy_us = 0;
     if (!check) {
       copy_us = kernel_check::CopyUs(2 * c.size, x);
-      std::printf("[%s] copy %.1f us = %.2f TB/s (read + write)\n", c.name.c_str(), copy_us, 4.0 * c.size / copy_us / 1e6);
+      std::printf("[%s] copy %.1f us = %.2f TB/s (read + write)\n", c.name.c_str(), copy_us,
+                  4.0 * c.size / copy_us / 1e6);
     }
     for (const Variant& v : kVariants) {
       if (!only.empty() && std::string(v.name).find(only) == std::string::npos) continue;
@@ -198,7 +199,7 @@ int main(int argc, char** argv) {
       a.row_data = row.data, a.row_scale = row.scale, a.row_amax = row.amax;
       a.col_data = col.data, a.col_scale = col.scale, a.col_amax = col.amax;
       a.row_opts = v.row_opts, a.col_opts = v.col_opts;
-      if (v.row == kNvfp4 || v.col == kNvfp4) {  // the per-group amaxes (the benchmark's kernel mode: outside the timing)
+      if (v.row == kNvfp4 || v.col == kNvfp4) {  // per-group amaxes (as the benchmark's kernel mode: not timed)
         CK(cudaMemset(amax, 0, 8 * n));
         grouped::AmaxArgs am{};
         am.x = x, am.size = c.size, am.n = n, am.first_dims = first, am.last_dims = last;

@@ -255,7 +255,8 @@ int main(int argc, char** argv) {
           continue;
         }
         const char* names[] = {"row data", "row scale", "row wamax", "col data", "col scale", "col wamax", "dbias"};
-        const std::string shape = "[" + std::to_string(s.P) + "," + std::to_string(s.M) + "," + std::to_string(s.K) + "]";
+        const std::string shape =
+            "[" + std::to_string(s.P) + "," + std::to_string(s.M) + "," + std::to_string(s.K) + "]";
         const int bad = kernel_check::CompareParts(f, got, names, std::string(v.name) + " " + shape);
         std::fclose(f);
         std::printf("%-30s [%lld,%lld,%lld] %s\n", v.name, (long long)s.P, (long long)s.M, (long long)s.K,
