@@ -6,9 +6,12 @@
 //     of zero is kept. The magnitude a = |c| lies on [0, 6].
 //   * binade: e = 2^floor(log2 a) clamped below to 1, i.e. e in {1, 2, 4}; the E2M1 grid step on [0, 2), [2, 4),
 //     [4, 6] is e / 2, so with s = 2 / e the grid becomes the integers shifted by off = 2 log2(e) in {0, 2, 4}.
-//   * RNE: r = fma(a, s, 1.5 * 2^23 + off). a * s is exact, so the one rounding of the FFMA (to an integer: the ulp at
-//     1.5 * 2^23 is 1) is the round-half-even of a * s; off is even, so ties go to the even E2M1 code. The code
-//     rint(a * s) + off <= 7 is bits(r) - bits(1.5 * 2^23).
+//   * RNE: r = fma(-a, s, 1.5 * 2^23 - off). a * s is exact, so the one rounding of the FFMA (to an integer: the ulp
+//     at 1.5 * 2^23 is 1) is the round-half-even of a * s subtracted from an even integer; ties go to the even E2M1
+//     code. The code rint(a * s) + off <= 7 is bits(1.5 * 2^23) - bits(r). Subtracting lets s come straight from
+//     a's exponent field, s = 2^(128 - E) capped at 2 (bits: min(~bits(a) & 0x7F800000, 0x40000000)), and
+//     1.5 * 2^23 - off = 1.5 * 2^23 - 256 + 2 (128 - E') from s's bits shifted right by 22: three integer
+//     instructions per value where the additive form took four (e, then s and the offset from it).
 //   * stochastic rounding (TE PR #3281, reference/sr.py): t = a + (rand / 256) * step with step = e / 2, rounded once
 //     (FFMA of the exact product), then floor(t * s) + off through the same FFMA in round-toward-zero.
 // tests/test_e2m1_exhaustive.py checks both against the threshold definitions on every fp32 input (host build of
@@ -78,16 +81,16 @@ JF4_HD uint32_t BinadeBits(float c) {
   return e > 0x3F800000u ? e : 0x3F800000u;
 }
 
-// kMagic + the RNE code of |c|, c = Clamp6(y).
+// kMagic - the RNE code of |c|, c = Clamp6(y) (or its magnitude).
 JF4_HD uint32_t MagnitudeRne(float c) {
   const float a = fabsf(c);
-  const uint32_t e = BinadeBits(c);
-  const float s = Float(0x7F800000u - e);                      // 2 / e
-  const float moff = Float((e >> 22) + (kMagic - 0xFEu));      // 1.5 * 2^23 + 2 log2(e)
+  const uint32_t sb = ~Bits(c) & 0x7F800000u;                         // 2^(128 - E), E the exponent field of a
+  const uint32_t s_bits = sb < 0x40000000u ? sb : 0x40000000u;         // s = 2 / e, e = max(2^floor(log2 a), 1)
+  const float moff = Float((s_bits >> 22) + (kMagic - 256u));        // 1.5 * 2^23 - 2 log2(e)
 #if defined(__CUDA_ARCH__)
-  return __float_as_uint(__fmaf_rn(a, s, moff));
+  return __float_as_uint(__fmaf_rn(-a, Float(s_bits), moff));
 #else
-  return Bits(std::fmaf(a, s, moff));
+  return Bits(std::fmaf(-a, Float(s_bits), moff));
 #endif
 }
 
@@ -173,7 +176,8 @@ JF4_HD uint32_t Pack8(const float* v, float mult, const uint32_t (&rnd)[4], int 
     const uint32_t r = kSr ? MagnitudeSr(mag, RandomByte(rnd, byte0 + j)) : MagnitudeRne(mag);
     acc += r << (4 * j);
   }
-  return (acc - MagicSum()) | Signs8(c);
+  // RNE fields are kMagic - code, SR fields kMagic + code (the carries of the sum cancel against MagicSum either way).
+  return (kSr ? acc - MagicSum() : MagicSum() - acc) | Signs8(c);
 }
 
 }  // namespace e2m1

@@ -95,11 +95,11 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
       c[i] = reinterpret_cast<const float*>(&tile[r][TileChunk(r, lc >> 2)])[lc & 3];
     }
     const int opts = kPlain ? 0 : a.col_opts;
-    ColSegmentAmax<kCol>(a, opts, c, sh, lc, rb);
-    __syncthreads();
+    const float seg_amax = ColSegmentAmax<kCol>(a, opts, c, sh, lc, rb);
+    if (ColNeedsExchange<kCol>(a, opts)) __syncthreads();
     ColDbias(a, sh, lc, rb, p, mt, kc);
     if constexpr (kCol == kNvfp4) {
-      ColNvfp4(a, opts, c, sh, lc, rb, col_in, p, kc, mc, enc_col, tab_col, col_exact);
+      ColNvfp4(a, opts, c, sh, lc, rb, col_in, p, kc, mc, enc_col, tab_col, col_exact, seg_amax);
     } else if constexpr (kRow == kNone) {  // columnwise only: the column threads store their bytes (one barrier less)
       const uint32_t e = ColMxfp8Scale<kCol>(a, sh, lc, rb, col_in, p, kc, mc);
       if (col_in) {

@@ -348,10 +348,10 @@ template <int kCol>
 __device__ __forceinline__ int SegOfThread(int t) { return kCol == kNvfp4 ? (t & 3) : (t >> 6); }
 
 // First columnwise step, before the barrier that publishes sh.col_red / sh.col_sum: dbias partial sum (in row order,
-// from +0), RHT (NVFP4), segment amax.
+// from +0), RHT (NVFP4), segment amax (returned, and published in sh.col_red).
 template <int kCol>
-__device__ __forceinline__ void ColSegmentAmax(const Args& a, int opts, float (&c)[16], TileShared& sh, int lc,
-                                               int rb) {
+__device__ __forceinline__ float ColSegmentAmax(const Args& a, int opts, float (&c)[16], TileShared& sh, int lc,
+                                                int rb) {
   if (a.dbias != nullptr) {
     float s = 0.0f;
 #pragma unroll
@@ -361,7 +361,17 @@ __device__ __forceinline__ void ColSegmentAmax(const Args& a, int opts, float (&
   if constexpr (kCol == kNvfp4) {
     if (opts & kRht) cvt::RhtForward16(c);
   }
-  sh.col_red[rb][lc] = Max16(c);
+  const float amax = Max16(c);
+  sh.col_red[rb][lc] = amax;
+  return amax;
+}
+
+// Whether the columnwise step reads other threads' sh.col_red / sh.col_sum (MXFP8 32-blocks, NVFP4 2D tiles and 1x64
+// windows, dbias), i.e. needs the barrier after ColSegmentAmax. Uniform over the block. A 1D NVFP4 block is the
+// thread's own segment, so without dbias that barrier is skipped.
+template <int kCol>
+__device__ __forceinline__ bool ColNeedsExchange(const Args& a, int opts) {
+  return kCol != kNvfp4 || a.dbias != nullptr || (opts & (k2d | k1x64)) != 0;
 }
 
 // dbias of one 64-row tile: ((s0 + s1) + s2) + s3 per column, after the barrier.
@@ -374,13 +384,13 @@ __device__ __forceinline__ void ColDbias(const Args& a, const TileShared& sh, in
   }
 }
 
-// NVFP4 columnwise encode after the barrier: block amax (2D: the 16 columns' segment amaxes; 1x64: the window of 4
-// segments), data (x[p].T layout) and scale stores.
+// NVFP4 columnwise encode after the barrier (if ColNeedsExchange): block amax (1D: seg_amax, the segment's own; 2D:
+// the 16 columns' segment amaxes; 1x64: the window of 4 segments), data (x[p].T layout) and scale stores.
 __device__ __forceinline__ void ColNvfp4(const Args& a, int opts, const float (&c)[16], const TileShared& sh, int lc,
                                          int rb, bool col_in, int64_t p, int64_t kc, int64_t mc, float enc_col,
-                                         const float* tab_col, bool exact) {
+                                         const float* tab_col, bool exact, float seg_amax) {
   const int64_t M = a.M, K = a.K;
-  float bamax = sh.col_red[rb][lc];
+  float bamax = seg_amax;
   if (opts & k2d) {  // 16x16 tile: segment rb of the 16 columns of lc's group
     const int c0 = lc & ~15;
     float tm = 0.0f;

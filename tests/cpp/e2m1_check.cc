@@ -33,7 +33,7 @@ static uint32_t Fast(float y, bool sr, uint32_t r) {
   const float c = Clamp6(y);
   const uint32_t m = sr ? MagnitudeSr(c, r) : MagnitudeRne(c);
   const float cs[8] = {c, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  return (m - kMagic) | Signs8(cs);
+  return (sr ? m - kMagic : kMagic - m) | Signs8(cs);
 }
 
 int main() {
