@@ -10,7 +10,7 @@
 // threads store their 16 bytes, which saves a barrier). No atomics, no global scratch: every output byte is written
 // exactly once (CUDA-graph safe).
 //
-// The kernel is bound by instruction issue, not by DRAM, on Hopper (software E2M1: about 10 instructions per element
+// The kernel is bound by instruction issue, not by DRAM, on Hopper (software E2M1: about 9 instructions per element
 // and orientation; ncu on an H200: issue slots ~72 % busy at 25 % DRAM throughput for NVFP4 row+col), so the work per
 // element is kept minimal: bf16 widening by shifts, 16-byte shared-memory traffic, per-block multipliers from a table
 // (MultiplierTable) instead of two correctly rounded reciprocals. A cp.async-pipelined variant that kept more bytes
