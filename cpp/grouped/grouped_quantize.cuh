@@ -305,6 +305,10 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<kRow, kCol>()) GroupedQuan
       const int64_t mt1 = mt0 + kTilesPerUnit < m_tiles ? mt0 + kTilesPerUnit : m_tiles;
       if constexpr (kRow != kNvfp4 && kCol != kNvfp4) {
         quantize::QuantizeTilesPrefetched<In, kRow, kCol, kPlain, false>(q, 0, mt0, mt1, k0);  // ends with a barrier
+      } else if constexpr (quantize::kStagedPairing<In, kRow, kCol, false>) {
+        quantize::QuantizeTilesStaged<In, kRow, kCol, kPlain, false>(q, 0, mt0, mt1, k0, enc_row, enc_col,
+                                                                      row_tab ? tab[0] : nullptr,
+                                                                      col_tab ? tab[1] : nullptr);  // ends with a barrier
       } else {
         for (int64_t mt = mt0; mt < mt1; ++mt) {
           quantize::QuantizeTile<In, kRow, kCol, kPlain>(q, 0, mt, k0, enc_row, enc_col, row_tab ? tab[0] : nullptr,
