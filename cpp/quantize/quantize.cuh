@@ -13,8 +13,9 @@
 // The kernel is bound by instruction issue, not by DRAM, on Hopper (software E2M1: about 9 instructions per element
 // and orientation; ncu on an H200: issue slots ~72 % busy at 25 % DRAM throughput for NVFP4 row+col), so the work per
 // element is kept minimal: bf16 widening by shifts, 16-byte shared-memory traffic, per-block multipliers from a table
-// (MultiplierTable) instead of two correctly rounded reciprocals. A cp.async-pipelined variant that kept more bytes
-// in flight measured 0.7-1.0x of this one (same issue rate, more instructions), and was dropped.
+// (MultiplierTable) instead of two correctly rounded reciprocals. Only the mixed pairing gains from loading the next
+// tile during the current one (QuantizeTilesStaged: cp.async into shared memory); the MXFP8 kernels hold it in
+// registers (QuantizeTilesPrefetched); for the other NVFP4 kernels both cost more registers than they save.
 //
 // Formats are compile-time "kinds" (one template for every pairing, including NVFP4 rowwise + MXFP8 columnwise);
 // NVFP4 options (SR, RHT, 2D, 1x64) are uniform runtime flags.
