@@ -204,7 +204,7 @@ __device__ __forceinline__ void CopyAsync16(void* dst, const void* src) {
 __device__ __forceinline__ void CopyAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void CopyAsyncWaitAll() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
-// NVFP4 kernels on 16-bit input: tiles [mt0, mt1) of the 64 columns from k0 of x[p], the next tile copied into a
+// The kStagedPairing kernels (below): tiles [mt0, mt1) of the 64 columns from k0 of x[p], the next tile copied into a
 // double-buffered shared-memory stage with cp.async while the current one is encoded (holding it in registers pushed
 // the NVFP4 kernels from 62 to 117 registers). The block copies a tile as 512 16-byte chunks, thread t chunks t and
 // t + 256 (a warp copies 4 whole rows: coalesced); chunk c of row r sits at 16-byte slot c ^ (r & 1) of the stage row,
