@@ -5,7 +5,9 @@
 // first writes every output (all variants of kVariants on the check shapes; bf16 input of random values over many
 // binades plus NaN, +-inf, +-0, subnormals, bf16 max; outputs poisoned before each run), `compare DIR` with the second
 // checks every output byte against those files. `time` times quantize::Launch against a device-to-device copy of x
-// (CUDA events, back-to-back launches); `profile` launches each variant once at 8192x8192 (for ncu).
+// (CUDA events, back-to-back launches); `profile` launches each variant once at 8192x8192 (for ncu). With the -normal
+// suffix (dump-normal, compare-normal, time-normal, profile-normal) the input is N(0, 1) in bf16 instead, as in
+// benchmarks/quantize.py: no NaN / inf and every block's scale normal (the kernels' bounded-encode fast path).
 //
 // Build: nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -ftz=false -Icpp -o qcheck \
 //            tools/kernel_check/quantize_check.cu
@@ -197,7 +199,8 @@ int main(int argc, char** argv) {
   int failures = 0;
   for (const Shape& s : shapes) {
     const int64_t n = s.P * s.M * s.K;
-    const std::vector<uint16_t> h = kernel_check::MakeBf16Input(n, 1234 + n);
+    const std::vector<uint16_t> h =
+        cli.normal ? kernel_check::MakeBf16Normal(n, 1234 + n) : kernel_check::MakeBf16Input(n, 1234 + n);
     void* x;
     CK(cudaMalloc(&x, n * 2));
     CK(cudaMemcpy(x, h.data(), n * 2, cudaMemcpyHostToDevice));
