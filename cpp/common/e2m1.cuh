@@ -94,21 +94,6 @@ JF4_HD uint32_t MagnitudeRne(float c) {
 #endif
 }
 
-// MagnitudeRne of y itself, without the clamp to 6: kMagic - the RNE code of |y| for finite |y| < 7 only (on [6, 7)
-// the code is 7, as after the clamp). The sign of y is masked off with the mantissa and taken as |y| by the FFMA, so a
-// bounded block saves the clamp's FMNMX a value. (The shift by 22 as an IMAD.HI, off the ALU pipe, measured slower:
-// ptxas rematerialises its 64-bit addend for every value.)
-JF4_HD uint32_t MagnitudeRneBounded(float y) {
-  const uint32_t sb = ~Bits(y) & 0x7F800000u;
-  const uint32_t s_bits = sb < 0x40000000u ? sb : 0x40000000u;
-  const float moff = Float((s_bits >> 22) + (kMagic - 256u));
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(__fmaf_rn(-fabsf(y), Float(s_bits), moff));
-#else
-  return Bits(std::fmaf(-std::fabs(y), Float(s_bits), moff));
-#endif
-}
-
 // kMagic + the stochastically rounded code of |c|, c = Clamp6(y), with random byte r.
 JF4_HD uint32_t MagnitudeSr(float c, uint32_t r) {
   const float a = fabsf(c);
@@ -159,11 +144,8 @@ JF4_HD uint32_t Signs8(const float (&c)[8]) {
 JF4_HD uint32_t RandomByte(const uint32_t (&r)[4], int j) { return (r[j >> 2] >> (8 * (j & 3))) & 0xFFu; }
 
 // 8 values y[i] = v[i] * mult (fp32 RN products) -> 8 E2M1 codes packed low nibble first.
-// kBounded (RNE only): the caller guarantees every |y[i]| < 7 and no NaN (EncodeNvfp4 checks RN(block amax * mult)
-// < 7 and that the block amax saw no NaN), so the clamp is skipped and MagnitudeRneBounded encodes y directly.
-template <bool kSr, bool kBounded = false>
+template <bool kSr>
 JF4_HD uint32_t Pack8(const float* v, float mult, const uint32_t (&rnd)[4], int byte0) {
-  static_assert(!(kSr && kBounded), "the bounded encode is RNE only");
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 1000) && defined(__CUDA_ARCH_FEAT_SM100_ALL)
   if constexpr (!kSr) {  // Blackwell: the conversion instruction (Clamp6 has already turned NaN into +6)
     uint32_t packed = 0;
@@ -181,27 +163,17 @@ JF4_HD uint32_t Pack8(const float* v, float mult, const uint32_t (&rnd)[4], int 
   float c[8];
   JF4_UNROLL
   for (int j = 0; j < 8; ++j) {
-    uint32_t r;
-    if constexpr (kBounded) {
 #if defined(__CUDA_ARCH__)
-      c[j] = __fmul_rn(v[j], mult);
+    // One FMNMX instead of Clamp6's two: the magnitude is min(|y|, 6) (NaN -> 6) and the sign comes from y itself,
+    // which equals Clamp6's sign for every non-NaN y; a NaN product is the positive canonical NaN on the GPU, so NaN
+    // still encodes as +6 (code 0x7), as Clamp6 gives (tests/test_quantize_kernels.py special inputs).
+    c[j] = __fmul_rn(v[j], mult);
+    const float mag = fminf(fabsf(c[j]), 6.0f);
 #else
-      c[j] = v[j] * mult;
+    c[j] = Clamp6(v[j] * mult);
+    const float mag = c[j];
 #endif
-      r = MagnitudeRneBounded(c[j]);
-    } else {
-#if defined(__CUDA_ARCH__)
-      // One FMNMX instead of Clamp6's two: the magnitude is min(|y|, 6) (NaN -> 6) and the sign comes from y itself,
-      // which equals Clamp6's sign for every non-NaN y; a NaN product is the positive canonical NaN on the GPU, so
-      // NaN still encodes as +6 (code 0x7), as Clamp6 gives (tests/test_quantize_kernels.py special inputs).
-      c[j] = __fmul_rn(v[j], mult);
-      const float mag = fminf(fabsf(c[j]), 6.0f);
-#else
-      c[j] = Clamp6(v[j] * mult);
-      const float mag = c[j];
-#endif
-      r = kSr ? MagnitudeSr(mag, RandomByte(rnd, byte0 + j)) : MagnitudeRne(mag);
-    }
+    const uint32_t r = kSr ? MagnitudeSr(mag, RandomByte(rnd, byte0 + j)) : MagnitudeRne(mag);
     acc += r << (4 * j);
   }
   // RNE fields are kMagic - code, SR fields kMagic + code (the carries of the sum cancel against MagicSum either way).

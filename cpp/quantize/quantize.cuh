@@ -38,8 +38,7 @@ namespace quantize {
 // inside is reached by all threads of the block.
 // kGivenPos: the caller passes the row segment's flat index and whether its row exists (flat_in, row_in_given), kept
 // up to date across the tiles of a block instead of recomputed with 64-bit products per tile.
-template <typename In, int kRow, int kCol, bool kPlain, bool kExact = false, bool kGivenPos = false,
-          bool kBounded = false>
+template <typename In, int kRow, int kCol, bool kPlain, bool kExact = false, bool kGivenPos = false>
 __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t mt, int64_t k0, float enc_row,
                                              float enc_col, const float* tab_row = nullptr,
                                              const float* tab_col = nullptr, bool use_pre = false,
@@ -79,7 +78,7 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
 
   // ---- rowwise (v is already staged in shared memory for the columnwise pass) ----
   if constexpr (kRow == kNvfp4) {
-    RowNvfp4<kBounded>(a, kPlain ? 0 : a.row_opts, v, sh, lr, cg, row_in, p, m, k, flat, enc_row, tab_row, row_exact);
+    RowNvfp4(a, kPlain ? 0 : a.row_opts, v, sh, lr, cg, row_in, p, m, k, flat, enc_row, tab_row, row_exact);
   } else if constexpr (kRow != kNone) {
     RowMxfp8<kRow>(a, v, cg, row_in, p, m, k, flat, row_exact);
   }
@@ -97,12 +96,11 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
       c[i] = reinterpret_cast<const float*>(&tile[r][TileChunk(r, lc >> 2)])[lc & 3];
     }
     const int opts = kPlain ? 0 : a.col_opts;
-    bool seg_nan;
-    const float seg_amax = ColSegmentAmax<kCol, kBounded>(a, opts, c, sh, lc, rb, seg_nan);
+    const float seg_amax = ColSegmentAmax<kCol>(a, opts, c, sh, lc, rb);
     if (ColNeedsExchange<kCol>(a, opts)) __syncthreads();
     ColDbias(a, sh, lc, rb, p, mt, kc);
     if constexpr (kCol == kNvfp4) {
-      ColNvfp4(a, opts, c, sh, lc, rb, col_in, p, kc, mc, enc_col, tab_col, col_exact, seg_amax, seg_nan);
+      ColNvfp4(a, opts, c, sh, lc, rb, col_in, p, kc, mc, enc_col, tab_col, col_exact, seg_amax);
     } else if constexpr (kRow == kNone) {  // columnwise only: the column threads store their bytes (one barrier less)
       const uint32_t e = ColMxfp8Scale<kCol>(a, sh, lc, rb, col_in, p, kc, mc);
       if (col_in) {
@@ -267,24 +265,13 @@ template <typename In, int kRow, int kCol, bool kExact>
 constexpr bool kStagedPairing =
     sizeof(In) == 2 && kRow == kNvfp4 && (kCol == kMxfp8E4m3 || kCol == kMxfp8E5m2) && !kExact;
 
-// The kernels that run as QuantizeKernelLean: NVFP4 only (rowwise, columnwise or both) on 16-bit input, codes (not
-// exact operands). They encode bounded blocks without the clamp (EncodeNvfp4, e2m1::Pack8 kBounded) and are compiled
-// for 5 resident blocks an SM (48 registers, against 60-64): both aim at the integer ALU pipe, which bounds these
-// kernels on Hopper (ncu, NVFP4 row+col at 8192^2 on an H100: ALU pipe 76 % of peak, FMA pipe 18 %, issue slots 67 %
-// busy). Harness A/B on an H100 (N(0, 1) input, % of copy at 8192^2 / 16384x4096 / 16384x14336, session 16): row+col
-// 69.7 / 68.8 / 68.0 -> 70.7 / 70.0 / 69.1, swizzled 66.6 -> 68.5, 2D 47.5 -> 48.9, RHT col 45.3 -> 45.8, col
-// 75.7 -> 78.1, rowwise alone unchanged, SR row+col 41.3 -> 40.1. Each part alone gained less or lost (bounded encode
-// at 4 blocks: row+col -1.3 points; 5 blocks alone: row+col +-0); the mixed pairing and exact operands lost with
-// either (mixed -0.5 to -1, exact -3 to -5), so they keep QuantizeKernel.
-template <typename In, int kRow, int kCol, bool kExact>
-constexpr bool kLeanPairing = sizeof(In) == 2 && !kExact && (kRow == kNvfp4 || kRow == kNone) &&
-                              (kCol == kNvfp4 || kCol == kNone) && (kRow == kNvfp4 || kCol == kNvfp4);
-
 // Thread block (blockIdx.x, blockIdx.y, p) walks tiles_per_cta tiles down the rows, so that the per-thread setup, the
-// tensor encode scales and their multiplier tables are computed once per block. The body of QuantizeKernel and
-// QuantizeKernelLean (kBounded).
-template <typename In, int kRow, int kCol, bool kPlain, bool kExact, bool kBounded>
-__device__ __forceinline__ void QuantizeBlock(const Args& a) {
+// tensor encode scales and their multiplier tables are computed once per block.
+// No minimum-blocks bound: __launch_bounds__(256, 4) measured slower for MXFP8 (rowwise 68.3 instead of 59.4 us at
+// 8192^2 on an H200, row+col 97.0 instead of 92.1) and (256, 1) slower still (row+col 113.8 us): it changes the
+// schedule, not just the register count.
+template <typename In, int kRow, int kCol, bool kPlain, bool kExact>
+__global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
   __shared__ float tab[2][128];
   const int64_t p = blockIdx.z, k0 = int64_t(blockIdx.x) * kTile;
   const int64_t m_tiles = (a.M + kTile - 1) / kTile;
@@ -306,34 +293,10 @@ __device__ __forceinline__ void QuantizeBlock(const Args& a) {
                                                         row_tab ? tab[0] : nullptr, col_tab ? tab[1] : nullptr);
   } else {
     for (int64_t mt = mt0; mt < mt1; ++mt) {  // uniform trip count: the barriers below are reached by all threads
-      QuantizeTile<In, kRow, kCol, kPlain, kExact, false, kBounded>(a, p, mt, k0, enc_row, enc_col,
-                                                                     row_tab ? tab[0] : nullptr,
-                                                                     col_tab ? tab[1] : nullptr);
+      QuantizeTile<In, kRow, kCol, kPlain, kExact>(a, p, mt, k0, enc_row, enc_col, row_tab ? tab[0] : nullptr,
+                                                   col_tab ? tab[1] : nullptr);
       __syncthreads();  // shared memory is reused by the next tile
     }
-  }
-}
-
-// No minimum-blocks bound: __launch_bounds__(256, 4) measured slower for MXFP8 (rowwise 68.3 instead of 59.4 us at
-// 8192^2 on an H200, row+col 97.0 instead of 92.1) and (256, 1) slower still (row+col 113.8 us): it changes the
-// schedule, not just the register count.
-template <typename In, int kRow, int kCol, bool kPlain, bool kExact>
-__global__ void __launch_bounds__(kThreads) QuantizeKernel(const Args a) {
-  QuantizeBlock<In, kRow, kCol, kPlain, kExact, false>(a);
-}
-
-template <typename In, int kRow, int kCol, bool kPlain>
-__global__ void __launch_bounds__(kThreads, 5) QuantizeKernelLean(const Args a) {
-  QuantizeBlock<In, kRow, kCol, kPlain, false, true>(a);
-}
-
-// QuantizeKernelLean for the kLeanPairing kernels that are not exact, QuantizeKernel otherwise.
-template <typename In, int kRow, int kCol, bool kPlain, bool kExact>
-void LaunchKernel(const dim3& grid, const Args& args, cudaStream_t stream) {
-  if constexpr (kLeanPairing<In, kRow, kCol, kExact>) {
-    QuantizeKernelLean<In, kRow, kCol, kPlain><<<grid, kThreads, 0, stream>>>(args);
-  } else {
-    QuantizeKernel<In, kRow, kCol, kPlain, kExact><<<grid, kThreads, 0, stream>>>(args);
   }
 }
 
@@ -353,17 +316,17 @@ cudaError_t Launch(Args args, cudaStream_t stream) {
   if constexpr (kRow == kNvfp4 || kCol == kNvfp4) {
     if (args.row_opts == 0 && args.col_opts == 0) {
       if (exact) {
-        LaunchKernel<In, kRow, kCol, true, true>(grid, args, stream);
+        QuantizeKernel<In, kRow, kCol, true, true><<<grid, kThreads, 0, stream>>>(args);
       } else {
-        LaunchKernel<In, kRow, kCol, true, false>(grid, args, stream);
+        QuantizeKernel<In, kRow, kCol, true, false><<<grid, kThreads, 0, stream>>>(args);
       }
       return cudaGetLastError();
     }
   }
   if (exact) {
-    LaunchKernel<In, kRow, kCol, false, true>(grid, args, stream);
+    QuantizeKernel<In, kRow, kCol, false, true><<<grid, kThreads, 0, stream>>>(args);
   } else {
-    LaunchKernel<In, kRow, kCol, false, false>(grid, args, stream);
+    QuantizeKernel<In, kRow, kCol, false, false><<<grid, kThreads, 0, stream>>>(args);
   }
   return cudaGetLastError();
 }

@@ -130,17 +130,6 @@ __device__ __forceinline__ float Max16(const float (&v)[16]) {
   return m;
 }
 
-// Max16 through the NaN-propagating max (PTX max.NaN, the same instruction count): has_nan tells whether the segment
-// holds a NaN, in which case the NaN-ignoring Max16 is taken after all (rare). EncodeNvfp4 needs the flag to pick its
-// bounded encode.
-__device__ __forceinline__ float Max16Checked(const float (&v)[16], bool& has_nan) {
-  float m = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) asm("max.NaN.f32 %0, %1, %2;" : "=f"(m) : "f"(m), "f"(fabsf(v[i])));
-  has_nan = m != m;
-  return has_nan ? Max16(v) : m;
-}
-
 // ---- exact operands (Args::row_exact / col_exact): the same decode and rounding as dequantize/decode.cuh ----------
 __device__ __forceinline__ uint32_t Bf16Pair(float lo, float hi) {
   return dequantize::OutBits<__nv_bfloat16>(lo) | (dequantize::OutBits<__nv_bfloat16>(hi) << 16);
@@ -211,14 +200,10 @@ __device__ __forceinline__ void MultiplierTable(float* tab, float enc, int t0) {
 }
 
 // `tab`: MultiplierTable of enc, or null (computed here). Unused for 1x64 (local) encodes.
-// has_nan: whether v may hold a NaN (true when unknown). Without one, RN(bamax * mult) bounds every |RN(v[i] * mult)|
-// (RN is monotone, |v[i]| <= bamax), so when it is under 7 the RNE encode skips its clamp (e2m1::Pack8 kBounded: one
-// integer-pipe instruction less a value; see kLeanPairing in quantize.cuh). Only called with has_nan = false from
-// the kBounded kernels, whose callers of EncodeNvfp4 are in converged code (the vote below needs no full warp).
 template <bool kSr>
 __device__ __forceinline__ uint32_t EncodeNvfp4(const float (&v)[16], float bamax, float enc, bool local,
                                                  const float* tab, const uint32_t (&rnd)[4], uint8_t* dst,
-                                                 bool exact, bool has_nan) {
+                                                 bool exact) {
   const uint32_t sc = cvt::E4M3(__fmul_rn(bamax, __fmul_rn(enc, cvt::kInv6())));
   float mult;
   if (local) {
@@ -229,16 +214,7 @@ __device__ __forceinline__ uint32_t EncodeNvfp4(const float (&v)[16], float bama
   } else {
     mult = Nvfp4Multiplier(sc, enc);
   }
-  uint2 w;
-  // Decided per warp (the active lanes vote), so that a warp never runs both encodes: with some unbounded block in it
-  // (NaN, or a saturated / subnormal / zero E4M3 scale), the whole warp takes the clamped encode.
-  if (!kSr && !has_nan && __all_sync(__activemask(), __fmul_rn(bamax, mult) < 7.0f)) {
-    if constexpr (!kSr) {
-      w = make_uint2(e2m1::Pack8<false, true>(v, mult, rnd, 0), e2m1::Pack8<false, true>(v + 8, mult, rnd, 8));
-    }
-  } else {
-    w = make_uint2(e2m1::Pack8<kSr>(v, mult, rnd, 0), e2m1::Pack8<kSr>(v + 8, mult, rnd, 8));
-  }
+  const uint2 w = make_uint2(e2m1::Pack8<kSr>(v, mult, rnd, 0), e2m1::Pack8<kSr>(v + 8, mult, rnd, 8));
   if (exact) {
     StoreExactNvfp4(w, sc, dst);
   } else {
@@ -259,15 +235,14 @@ __device__ __forceinline__ int64_t StreamIndex(const uint32_t* g, int64_t flat, 
 // of 16; the 16 values take bytes 0..15 of that one Philox output.
 __device__ __forceinline__ uint32_t EncodeNvfp4(const float (&v)[16], float bamax, float enc, bool local, bool sr,
                                                  int64_t flat, const uint32_t* key, uint8_t* dst,
-                                                 const float* tab = nullptr, bool exact = false,
-                                                 bool has_nan = true) {
+                                                 const float* tab = nullptr, bool exact = false) {
   if (sr) {
     const uint4 r = cvt::Philox(uint32_t(flat >> 4), key[0], key[1]);
     const uint32_t rnd[4] = {r.x, r.y, r.z, r.w};
-    return EncodeNvfp4<true>(v, bamax, enc, local, tab, rnd, dst, exact, true);
+    return EncodeNvfp4<true>(v, bamax, enc, local, tab, rnd, dst, exact);
   }
   const uint32_t rnd[4] = {0u, 0u, 0u, 0u};
-  return EncodeNvfp4<false>(v, bamax, enc, local, tab, rnd, dst, exact, has_nan);
+  return EncodeNvfp4<false>(v, bamax, enc, local, tab, rnd, dst, exact);
 }
 
 // MXFP8 encode of 16 values of a 32-block with E8M0 code e; writes 16 bytes through `store(i, byte)`.
@@ -311,21 +286,12 @@ struct TileShared {
 // NVFP4 rowwise: block amax (2D: the 16x16 tile's, exchanged through shared memory, so the branch on k2d is uniform and
 // its barrier is reached by every thread), encode, store data, scale and (1x64) window amax. v is RHT'd in place.
 // `flat`: the segment's element index in x and in the stored [P, M, K], (p * M + m) * K + k (computed once per tile).
-// kBounded: the segment amax goes through Max16Checked (except under SR), so that EncodeNvfp4 may take its bounded
-// encode (QuantizeKernelLean only).
-template <bool kBounded>
 __device__ __forceinline__ void RowNvfp4(const Args& a, int opts, float (&v)[16], TileShared& sh, int lr, int cg,
                                          bool row_in, int64_t p, int64_t m, int64_t k, int64_t flat, float enc_row,
                                          const float* tab_row, bool exact) {
   const int64_t M = a.M;
   if (opts & kRht) cvt::RhtForward16(v);
-  bool has_nan = true;
-  float bamax;
-  if (kBounded && !(opts & kSr)) {
-    bamax = Max16Checked(v, has_nan);
-  } else {
-    bamax = Max16(v);
-  }
+  float bamax = Max16(v);
   float wamax = fmaxf(bamax, __shfl_xor_sync(0xffffffffu, bamax, 1));
   wamax = fmaxf(wamax, __shfl_xor_sync(0xffffffffu, wamax, 2));
   if (opts & k2d) {
@@ -343,7 +309,7 @@ __device__ __forceinline__ void RowNvfp4(const Args& a, int opts, float (&v)[16]
     const bool sr = opts & kSr;
     const int64_t sflat = sr ? StreamIndex(a.stream_row, flat, p, m, k) : flat;
     uint8_t* dst = exact ? a.row_data + 2 * flat : a.row_data + flat / 2;
-    const uint32_t sc = EncodeNvfp4(v, bamax, enc, local, sr, sflat, a.key_row, dst, tab_row, exact, has_nan);
+    const uint32_t sc = EncodeNvfp4(v, bamax, enc, local, sr, sflat, a.key_row, dst, tab_row, exact);
     // compact scale S[p * M + m, k / 16] sits at flat / 16 (K % 16 == 0, k % 16 == 0)
     a.row_scale[a.swizzled ? SwizzledIndex(p * M + m, k >> 4, a.row_scale_cols_padded) : flat >> 4] = uint8_t(sc);
     if (local && cg == 0) a.row_wamax[flat >> 6] = wamax;  // [P * M, K / 64]: k % 64 == 0 here
@@ -383,9 +349,9 @@ __device__ __forceinline__ int SegOfThread(int t) { return kCol == kNvfp4 ? (t &
 
 // First columnwise step, before the barrier that publishes sh.col_red / sh.col_sum: dbias partial sum (in row order,
 // from +0), RHT (NVFP4), segment amax (returned, and published in sh.col_red).
-template <int kCol, bool kBounded>
+template <int kCol>
 __device__ __forceinline__ float ColSegmentAmax(const Args& a, int opts, float (&c)[16], TileShared& sh, int lc,
-                                                int rb, bool& has_nan) {
+                                                int rb) {
   if (a.dbias != nullptr) {
     float s = 0.0f;
 #pragma unroll
@@ -395,13 +361,7 @@ __device__ __forceinline__ float ColSegmentAmax(const Args& a, int opts, float (
   if constexpr (kCol == kNvfp4) {
     if (opts & kRht) cvt::RhtForward16(c);
   }
-  has_nan = true;
-  float amax;
-  if (kCol == kNvfp4 && kBounded && !(opts & kSr)) {  // as in RowNvfp4
-    amax = Max16Checked(c, has_nan);
-  } else {
-    amax = Max16(c);
-  }
+  const float amax = Max16(c);
   sh.col_red[rb][lc] = amax;
   return amax;
 }
@@ -428,7 +388,7 @@ __device__ __forceinline__ void ColDbias(const Args& a, const TileShared& sh, in
 // the 16 columns' segment amaxes; 1x64: the window of 4 segments), data (x[p].T layout) and scale stores.
 __device__ __forceinline__ void ColNvfp4(const Args& a, int opts, const float (&c)[16], const TileShared& sh, int lc,
                                          int rb, bool col_in, int64_t p, int64_t kc, int64_t mc, float enc_col,
-                                         const float* tab_col, bool exact, float seg_amax, bool seg_nan) {
+                                         const float* tab_col, bool exact, float seg_amax) {
   const int64_t M = a.M, K = a.K;
   float bamax = seg_amax;
   if (opts & k2d) {  // 16x16 tile: segment rb of the 16 columns of lc's group
@@ -449,7 +409,7 @@ __device__ __forceinline__ void ColNvfp4(const Args& a, int opts, const float (&
   const bool sr = opts & kSr;
   const int64_t sflat = sr ? StreamIndex(a.stream_col, flat, p, kc, mc) : flat;
   uint8_t* dst = exact ? a.col_data + 2 * flat : a.col_data + flat / 2;
-  const uint32_t sc = EncodeNvfp4(c, bamax, enc, local, sr, sflat, a.key_col, dst, tab_col, exact, seg_nan);
+  const uint32_t sc = EncodeNvfp4(c, bamax, enc, local, sr, sflat, a.key_col, dst, tab_col, exact);
   // compact scale S[p * K + kc, mc / 16] sits at flat / 16 (M % 16 == 0, mc % 16 == 0)
   a.col_scale[a.swizzled ? SwizzledIndex(p * K + kc, mc >> 4, a.col_scale_cols_padded) : flat >> 4] = uint8_t(sc);
   if (local && rb == 0) a.col_wamax[flat >> 6] = wamax;  // [P * K, M / 64]: mc % 64 == 0 here

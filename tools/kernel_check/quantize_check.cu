@@ -7,7 +7,8 @@
 // checks every output byte against those files. `time` times quantize::Launch against a device-to-device copy of x
 // (CUDA events, back-to-back launches); `profile` launches each variant once at 8192x8192 (for ncu). With the -normal
 // suffix (dump-normal, compare-normal, time-normal, profile-normal) the input is N(0, 1) in bf16 instead, as in
-// benchmarks/quantize.py: no NaN / inf and every block's scale normal (the kernels' bounded-encode fast path).
+// benchmarks/quantize.py: no NaN / inf, and every block's E4M3 scale normal (the default input spans 2^-30 .. 2^30 and
+// holds infs, so most NVFP4 blocks get saturated or subnormal scales: a worst case, not a typical one).
 //
 // Build: nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -ftz=false -Icpp -o qcheck \
 //            tools/kernel_check/quantize_check.cu
