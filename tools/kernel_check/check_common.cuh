@@ -61,6 +61,13 @@ inline double CopyUs(int64_t bytes, const void* src = nullptr) {
   return us;
 }
 
+// bf16 bits of f, rounded to nearest even (finite f).
+inline uint16_t Bf16Rne(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
 // n bf16 bit patterns: normal values scaled by 2^[-30, 30] (one binade per 64 elements) plus 0.3 % edge values (NaN,
 // +-inf, +-0, subnormals, bf16 max).
 inline std::vector<uint16_t> MakeBf16Input(int64_t n, uint64_t seed) {
@@ -75,10 +82,7 @@ inline std::vector<uint16_t> MakeBf16Input(int64_t n, uint64_t seed) {
     if (pick(g) < 3) {
       h[i] = edge[(i / 7) % (sizeof(edge) / 2)];
     } else {
-      const float f = std::ldexp(nd(g), scale);
-      uint32_t u;
-      std::memcpy(&u, &f, 4);
-      h[i] = uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+      h[i] = Bf16Rne(std::ldexp(nd(g), scale));
     }
   }
   return h;
@@ -90,30 +94,30 @@ inline std::vector<uint16_t> MakeBf16Normal(int64_t n, uint64_t seed) {
   std::mt19937_64 g(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<uint16_t> h(n);
-  for (int64_t i = 0; i < n; ++i) {
-    const float f = nd(g);
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    h[i] = uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-  }
+  for (int64_t i = 0; i < n; ++i) h[i] = Bf16Rne(nd(g));
   return h;
 }
 
 // Command line `MODE[-normal] [DIR] [variant substring]` (DIR only for dump / compare); prints the device. Inputs are
-// MakeBf16Input's binade mix with edge values, or with the -normal suffix MakeBf16Normal's (harnesses that support it).
+// MakeBf16Input's binade mix with edge values, or with the -normal suffix MakeBf16Normal's (only where the harness
+// passes normal_ok; elsewhere the suffix is an error, not silently ignored).
 struct Cli {
   std::string mode, dir, only;
   bool check;  // dump or compare
   bool normal = false;
 };
 
-inline Cli ParseCli(int argc, char** argv) {
+inline Cli ParseCli(int argc, char** argv, bool normal_ok = false) {
   Cli c;
   c.mode = argc > 1 ? argv[1] : "time";
   const std::string suffix = "-normal";
   if (c.mode.size() > suffix.size() && c.mode.compare(c.mode.size() - suffix.size(), suffix.size(), suffix) == 0) {
     c.normal = true;
     c.mode.resize(c.mode.size() - suffix.size());
+    if (!normal_ok) {
+      std::fprintf(stderr, "this harness has no -normal input (mode %s)\n", argv[1]);
+      std::exit(2);
+    }
   }
   c.check = c.mode == "dump" || c.mode == "compare";
   c.dir = c.check && argc > 2 ? argv[2] : ".";

@@ -186,7 +186,7 @@ double Bytes(const Run& r, const Shape& s) {
 }
 
 int main(int argc, char** argv) {
-  const kernel_check::Cli cli = kernel_check::ParseCli(argc, argv);
+  const kernel_check::Cli cli = kernel_check::ParseCli(argc, argv, /*normal_ok=*/true);
   const std::string &mode = cli.mode, &dir = cli.dir, &only = cli.only;
   const bool check = cli.check;
   std::vector<Shape> shapes;
