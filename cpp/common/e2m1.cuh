@@ -1,21 +1,23 @@
 // E2M1 encoding of 16 scaled values into 8 packed bytes (NUMERICS.md: NVFP4 element encode, stochastic rounding).
 //
-// Hopper has no E2M1 instruction, and the encode is the hot loop of every NVFP4 quantizer, so the sm_90 path uses
-// the fp32 adder instead of seven threshold compares:
-//   * clamp: c = max(min(y, 6), -6). min first, so NaN -> +6 (the canonical NaN code 0x7), -inf -> -6, and the sign
-//     of zero is kept. The magnitude a = |c| lies on [0, 6].
-//   * binade: e = 2^floor(log2 a) clamped below to 1, i.e. e in {1, 2, 4}; the E2M1 grid step on [0, 2), [2, 4),
-//     [4, 6] is e / 2, so with s = 2 / e the grid becomes the integers shifted by off = 2 log2(e) in {0, 2, 4}.
-//   * RNE: r = fma(-a, s, 1.5 * 2^23 - off). a * s is exact, so the one rounding of the FFMA (to an integer: the ulp
-//     at 1.5 * 2^23 is 1) is the round-half-even of a * s subtracted from an even integer; ties go to the even E2M1
-//     code. The code rint(a * s) + off <= 7 is bits(1.5 * 2^23) - bits(r). Subtracting lets s come straight from
-//     a's exponent field, s = 2^(128 - E) capped at 2 (bits: min(~bits(a) & 0x7F800000, 0x40000000)), and
-//     1.5 * 2^23 - off = 1.5 * 2^23 - 256 + 2 (128 - E') from s's bits shifted right by 22: three integer
-//     instructions per value where the additive form took four (e, then s and the offset from it).
-//   * stochastic rounding (TE PR #3281, reference/sr.py): t = a + (rand / 256) * step with step = e / 2, rounded once
-//     (FFMA of the exact product), then floor(t * s) + off through the same FFMA in round-toward-zero.
+// Hopper has no E2M1 instruction, and the encode is the hot loop of every NVFP4 quantizer, which is bound by the
+// integer ALU pipe (ncu, session 16: 76 % of its peak for NVFP4 row+col), so the sm_90 path does its rounding in the
+// fp32 adder (FMA pipe) and keeps the ALU work to two instructions a value:
+//   * RNE: on [0, 6] the code is rint(g(a)) with g(a) = min(2a, a + 2, a / 2 + 4), a = |y|: g is linear with a
+//     power-of-two slope on each E2M1 binade ([0, 2) step 0.5, [2, 4) step 1, [4, 6] step 2), maps the grid onto the
+//     integers 0..7 and each midpoint onto a half-integer, so round-half-even of g gives the even E2M1 code on ties.
+//     Each term is rounded once by an FFMA / FADD that adds 1.5 * 2^23 (ulp 1 there, an even integer: ties to even),
+//     and rint is monotone, so rint(min(...)) = min(rint(...)): the three sums are compared as integers (all share
+//     1.5 * 2^23's exponent; NaN / inf sums are larger) by one VIMNMX3 (a sm_90 DPX instruction) and clamped to code 7
+//     by one VIMNMX, which also maps |y| > 6, inf and NaN to 7 (the sign comes from y: NaN products are positive on
+//     the GPU). No clamp is needed before. This replaced clamp + binade (LOP3, VIMNMX, LEA.HI) + FFMA: ALU-pipe
+//     instructions of the NVFP4 row+col tile loop 270 -> 206, total unchanged (tools/kernel_check, session 17).
+//   * stochastic rounding (TE PR #3281, reference/sr.py) keeps a binade form on c = max(min(y, 6), -6) (min first:
+//     NaN -> +6), a = |c|: e = 2^floor(log2 a) clamped below to 1 (e in {1, 2, 4}), step = e / 2, s = 2 / e,
+//     off = 2 log2(e); t = a + (rand / 256) * step, rounded once (FFMA of the exact product), then floor(t * s) + off
+//     through an FFMA in round-toward-zero.
 // tests/test_e2m1_exhaustive.py checks both against the threshold definitions on every fp32 input (host build of
-// this header). The sm_100a path uses cvt.rn.satfinite.e2m1x2.f32 for RNE (compiled, not runnable on Hopper).
+// this header; RNE on unclamped inputs, as the kernels call it). The sm_100a path uses cvt.rn.satfinite.e2m1x2.f32 for RNE (compiled, not runnable on Hopper).
 #pragma once
 
 #include <cstdint>
@@ -81,16 +83,20 @@ JF4_HD uint32_t BinadeBits(float c) {
   return e > 0x3F800000u ? e : 0x3F800000u;
 }
 
-// kMagic - the RNE code of |c|, c = Clamp6(y) (or its magnitude).
-JF4_HD uint32_t MagnitudeRne(float c) {
-  const float a = fabsf(c);
-  const uint32_t sb = ~Bits(c) & 0x7F800000u;                         // 2^(128 - E), E the exponent field of a
-  const uint32_t s_bits = sb < 0x40000000u ? sb : 0x40000000u;         // s = 2 / e, e = max(2^floor(log2 a), 1)
-  const float moff = Float((s_bits >> 22) + (kMagic - 256u));        // 1.5 * 2^23 - 2 log2(e)
+// kMagic + the RNE code of min(|y|, 6), NaN -> 7, for any fp32 y (no clamp needed before it).
+JF4_HD uint32_t MagnitudeRne(float y) {
+  const float a = fabsf(y);
 #if defined(__CUDA_ARCH__)
-  return __float_as_uint(__fmaf_rn(-a, Float(s_bits), moff));
+  const int r1 = __float_as_int(__fmaf_rn(a, 2.0f, 12582912.0f));   // kMagic + rint(2a)
+  const int r2 = __float_as_int(__fadd_rn(a, 12582914.0f));         // kMagic + rint(a) + 2
+  const int r3 = __float_as_int(__fmaf_rn(a, 0.5f, 12582916.0f));   // kMagic + rint(a / 2) + 4
+  return uint32_t(min(__vimin3_s32(r1, r2, r3), int(kMagic + 7u)));  // VIMNMX3 (sm_90 DPX) + VIMNMX
 #else
-  return Bits(std::fmaf(-a, Float(s_bits), moff));
+  const int r1 = int(Bits(std::fmaf(a, 2.0f, 12582912.0f)));
+  const int r2 = int(Bits(a + 12582914.0f));
+  const int r3 = int(Bits(std::fmaf(a, 0.5f, 12582916.0f)));
+  const int m = r1 < r2 ? r1 : r2, m3 = m < r3 ? m : r3;
+  return uint32_t(m3 < int(kMagic + 7u) ? m3 : int(kMagic + 7u));
 #endif
 }
 
@@ -164,20 +170,19 @@ JF4_HD uint32_t Pack8(const float* v, float mult, const uint32_t (&rnd)[4], int 
   JF4_UNROLL
   for (int j = 0; j < 8; ++j) {
 #if defined(__CUDA_ARCH__)
-    // One FMNMX instead of Clamp6's two: the magnitude is min(|y|, 6) (NaN -> 6) and the sign comes from y itself,
-    // which equals Clamp6's sign for every non-NaN y; a NaN product is the positive canonical NaN on the GPU, so NaN
-    // still encodes as +6 (code 0x7), as Clamp6 gives (tests/test_quantize_kernels.py special inputs).
+    // The sign comes from y itself, which equals Clamp6's sign for every non-NaN y; a NaN product is the positive
+    // canonical NaN on the GPU, so NaN still encodes as +6 (code 0x7), as Clamp6 gives (tests/test_quantize_kernels.py
+    // special inputs). MagnitudeRne clamps by itself; SR takes min(|y|, 6) (NaN -> 6).
     c[j] = __fmul_rn(v[j], mult);
-    const float mag = fminf(fabsf(c[j]), 6.0f);
+    const uint32_t r = kSr ? MagnitudeSr(fminf(fabsf(c[j]), 6.0f), RandomByte(rnd, byte0 + j)) : MagnitudeRne(c[j]);
 #else
     c[j] = Clamp6(v[j] * mult);
-    const float mag = c[j];
+    const uint32_t r = kSr ? MagnitudeSr(c[j], RandomByte(rnd, byte0 + j)) : MagnitudeRne(c[j]);
 #endif
-    const uint32_t r = kSr ? MagnitudeSr(mag, RandomByte(rnd, byte0 + j)) : MagnitudeRne(mag);
     acc += r << (4 * j);
   }
-  // RNE fields are kMagic - code, SR fields kMagic + code (the carries of the sum cancel against MagicSum either way).
-  return (kSr ? acc - MagicSum() : MagicSum() - acc) | Signs8(c);
+  // Both fields are kMagic + code: the carries of the sum cancel against MagicSum.
+  return (acc - MagicSum()) | Signs8(c);
 }
 
 }  // namespace e2m1

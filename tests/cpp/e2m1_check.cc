@@ -29,11 +29,13 @@ static uint32_t SrDefinition(float v, uint32_t r) {
   return ((Bits(v) >> 28) & 8u) | idx;
 }
 
+// One element through the encoder. RNE takes y unclamped (as the sm_90 kernels do); SR takes Clamp6(y). The sign
+// comes from Clamp6(y) (NaN -> +6: the GPU's NaN products are positive).
 static uint32_t Fast(float y, bool sr, uint32_t r) {
   const float c = Clamp6(y);
-  const uint32_t m = sr ? MagnitudeSr(c, r) : MagnitudeRne(c);
+  const uint32_t m = sr ? MagnitudeSr(c, r) : MagnitudeRne(y);
   const float cs[8] = {c, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  return (sr ? m - kMagic : kMagic - m) | Signs8(cs);
+  return (m - kMagic) | Signs8(cs);
 }
 
 int main() {
