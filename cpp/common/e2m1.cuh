@@ -17,7 +17,8 @@
 //     off = 2 log2(e); t = a + (rand / 256) * step, rounded once (FFMA of the exact product), then floor(t * s) + off
 //     through an FFMA in round-toward-zero.
 // tests/test_e2m1_exhaustive.py checks both against the threshold definitions on every fp32 input (host build of
-// this header; RNE on unclamped inputs, as the kernels call it). The sm_100a path uses cvt.rn.satfinite.e2m1x2.f32 for RNE (compiled, not runnable on Hopper).
+// this header; RNE on unclamped inputs, as the kernels call it). The sm_100a path uses cvt.rn.satfinite.e2m1x2.f32
+// for RNE (compiled, not runnable on Hopper). 12582912 = 1.5 * 2^23, the float of kMagic.
 #pragma once
 
 #include <cstdint>
