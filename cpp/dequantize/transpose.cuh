@@ -13,10 +13,11 @@
 // so 16-term sums stay finite) skip the canonical-NaN fix-up of OutBits. 16-bit outputs of finite plain multipliers
 // and of 1x64 segments in a safe window look their values up in a per-segment table (half_table.cuh); 16-bit RHT
 // outputs of multipliers in [2^-100, 2^100] skip the flushes and the final * +-0.25 (RhtScaleFree in args.cuh) and
-// decode their codes through fp16 (E2M1x8Half, the 2^14 folded into the multiplier).
-// Grid (TileGridPerTile): blocks take the tiles in band order. 16-bit plain and 1x64 outputs run one block per tile,
-// 6 blocks an SM; 16-bit RHT and f32 1x64 outputs two tiles a block, loading the second tile's codes and scales
-// before decoding the first; f32 plain / RHT outputs one block per tile, 4 blocks an SM. No atomics, no scratch.
+// decode their codes through fp16 (E2M1x8Half, the 2^14 folded into the multiplier); they transform one stored row
+// at a time and pair the rows' packed outputs by byte permutes (40 registers: 6 blocks an SM without spills).
+// Grid (TileGridPerTile): blocks take the tiles in band order. 16-bit outputs run one block per tile, 6 blocks an SM;
+// f32 1x64 outputs two tiles a block, loading the second tile's codes and scales before decoding the first; f32
+// plain / RHT outputs one block per tile, 4 blocks an SM. No atomics, no scratch.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -41,7 +42,7 @@ constexpr int kTR = 128, kTC = 64;
 // bands of 32 beat column-tile-first order by up to 20 % at 16384x14336.
 constexpr int kTransposeBlocksPerSm = 4, kMaxBand = 32;
 constexpr int kTransposeBlocksPerSm16 = 6;  // one-tile blocks with 16-bit outputs (TransposeBlocksPerSm)
-constexpr int kTilesPerBlock = 2;           // RHT with 16-bit outputs, 1x64 with f32 outputs (TileGridPerTile)
+constexpr int kTilesPerBlock = 2;           // 1x64 with f32 outputs (TileGridPerTile)
 enum TransposeVariant : int { kTransposePlain = 0, kTransposeRht = 1, kTransposeLocal = 2 };
 
 // Grid shape per variant and output width: one block per tile, or kTilesPerBlock tiles a block with the next tile's
@@ -56,9 +57,13 @@ enum TransposeVariant : int { kTransposePlain = 0, kTransposeRht = 1, kTranspose
 //    decode) 84.2 / 84.2 / 84.5 -> 86.0 / 84.7 / 85.9; RHT bf16 with one tile a block and 5 / 6 blocks: 81.1 / 72.7
 //    at 8192^2 against 83.1 for two tiles a block and 4 blocks (5 blocks there: 82.3). f32 outputs keep 4 blocks (their
 //    tiles take twice the shared memory; plain f32 at 6 blocks: 88.7 against 92.2).
+//  * Session 18, 16-bit RHT transforming one row at a time (StoreRhtPairs; 40 registers instead of 64 with a 16-byte
+//    spill): one tile a block and 6 blocks an SM, RHT bf16 85.2 / 85.3 / 85.0 -> 87.4 / 87.1 / 88.7, RHT swizzled f16
+//    88.2 / 88.4 / 88.0 -> 89.2 / 89.2 / 90.1; the new decode with two tiles a block: 86.7 / 86.7 / 87.0 at 4 blocks,
+//    87.0 / 87.1 / 87.2 at 5, 84.7 / 84.9 / 84.5 at 6.
 template <typename Out, int kVar>
 constexpr bool TileGridPerTile() {
-  return sizeof(Out) == 2 ? kVar != kTransposeRht : kVar != kTransposeLocal;
+  return sizeof(Out) == 2 || kVar != kTransposeLocal;
 }
 
 // The kernel loads the next tile ahead: multi-tile blocks, and (as measured in session 10) the f32 one-tile kernels.
@@ -294,52 +299,69 @@ __device__ __forceinline__ void E2M1x16(uint2 codes, float (&q)[2][8]) {
   E2M1xN<8>(codes.y, q[1]);
 }
 
-// RHT, 16-bit outputs, both rows' multipliers RhtScaleFree (args.cuh): the butterfly of RN(q * m / 4), the 16
-// pairs converted once and the negated outputs' sign bits flipped in the packed pairs (both rows share the signs).
+// RHT, 16-bit outputs: one stored row's 16 outputs as 8 words, w[k] = (column 2k, column 2k + 1), so that only
+// 16 floats are live at a time. A RhtScaleFree multiplier (args.cuh) takes the butterfly of RN(q * m / 4), the
+// codes decoded through fp16 (the 2^14 folded into the multiplier), the negated outputs' sign bits flipped in the
+// packed words; any other takes RhtInverse16 (fast: no NaN, paired conversions).
 template <typename Out>
-__device__ __forceinline__ void StoreRhtPairsScaleFree(const SegmentScale (&s)[2], PairOf<Out>* dst) {
-  float v[2][16];
+__device__ __forceinline__ void RhtRowWords(const SegmentScale& s, bool fast, uint32_t (&w)[8]) {
+  float v[16];
+  float q[2][8];
+  if (fast && RhtScaleFree(s.mult)) {
+    E2M1x8Half(s.codes.x, q[0]);
+    E2M1x8Half(s.codes.y, q[1]);
+    const float m = __fmul_rn(s.mult, 0x1p12f);  // (m / 4) * 2^14, exact: |m| <= 2^100
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float q[2][8];
-    E2M1x8Half(s[r].codes.x, q[0]);
-    E2M1x8Half(s[r].codes.y, q[1]);
-    const float m = __fmul_rn(s[r].mult, 0x1p12f);  // (m / 4) * 2^14, exact: |m| <= 2^100
+    for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(q[i >> 3][i & 7], m);
+    RhtButterfly16(v);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) v[r][i] = __fmul_rn(q[i >> 3][i & 7], m);
-    RhtButterfly16(v[r]);
+    for (int k = 0; k < 8; ++k) {
+      constexpr uint32_t kFlip[4] = {0u, 0x8000u, 0x80000000u, 0x80008000u};
+      w[k] = FinitePair16<Out>(v[2 * k], v[2 * k + 1]) ^ kFlip[(kRhtSignMask >> (2 * k)) & 3u];
+    }
+    return;
   }
+  E2M1x16(s.codes, q);
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const uint32_t p = FinitePair16<Out>(v[0][i], v[1][i]);
-    dst[i * (kTR / 2)] = ((kRhtSignMask >> i) & 1u) ? p ^ 0x80008000u : p;
+  for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(q[i >> 3][i & 7], s.mult);
+  RhtInverse16(v);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    w[k] = fast ? FinitePair16<Out>(v[2 * k], v[2 * k + 1])
+                : OutBits<Out>(v[2 * k]) | (OutBits<Out>(v[2 * k + 1]) << 16);
   }
 }
 
-// RHT: both rows' 16 values through the inverse transform, then the 16 pairs.
+// RHT: both rows' 16 values through the inverse transform, then the 16 pairs (16-bit outputs: one row's words at a
+// time, the pairs formed by byte permutes).
 template <typename Out>
 __device__ __forceinline__ void StoreRhtPairs(const SegmentScale (&s)[2], bool fast, PairOf<Out>* dst) {
   if constexpr (sizeof(Out) == 2) {
-    if (fast && RhtScaleFree(s[0].mult) && RhtScaleFree(s[1].mult)) {
-      StoreRhtPairsScaleFree<Out>(s, dst);
-      return;
+    uint32_t w[2][8];
+    RhtRowWords<Out>(s[0], fast, w[0]);
+    RhtRowWords<Out>(s[1], fast, w[1]);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      dst[2 * k * (kTR / 2)] = __byte_perm(w[0][k], w[1][k], 0x5410u);
+      dst[(2 * k + 1) * (kTR / 2)] = __byte_perm(w[0][k], w[1][k], 0x7632u);
     }
-  }
-  float v[2][16];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float q[2][8];
-    E2M1x16(s[r].codes, q);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) v[r][i] = __fmul_rn(q[i >> 3][i & 7], s[r].mult);
-    RhtInverse16(v[r]);
-  }
-  if (fast) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) dst[i * (kTR / 2)] = PackPair<Out, true>(v[0][i], v[1][i]);
   } else {
+    float v[2][16];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) dst[i * (kTR / 2)] = PackPair<Out, false>(v[0][i], v[1][i]);
+    for (int r = 0; r < 2; ++r) {
+      float q[2][8];
+      E2M1x16(s[r].codes, q);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[r][i] = __fmul_rn(q[i >> 3][i & 7], s[r].mult);
+      RhtInverse16(v[r]);
+    }
+    if (fast) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) dst[i * (kTR / 2)] = PackPair<Out, true>(v[0][i], v[1][i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) dst[i * (kTR / 2)] = PackPair<Out, false>(v[0][i], v[1][i]);
+    }
   }
 }
 
