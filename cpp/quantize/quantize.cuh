@@ -2,8 +2,8 @@
 //
 // One thread block owns a 64x64 tile of one x[p] (256 threads). Thread t loads the 1x16 row segment
 // (row t/4, columns 16*(t%4)...) with vector loads and keeps it in registers for the rowwise output; the tile is
-// also staged in shared memory as fp32 (16-byte chunks, TileChunk), from which thread t reads a 16x1 column segment
-// for the columnwise output. 64 = the 1x64 window, so every block size (16 NVFP4, 32 MXFP8, 16x16 2D tiles, 64
+// also staged in shared memory as fp32 (16-byte chunks, RowSlot / ColSlot), from which thread t reads a 16x1 column
+// segment for the columnwise output. 64 = the 1x64 window, so every block size (16 NVFP4, 32 MXFP8, 16x16 2D tiles, 64
 // windows) closes inside a tile: block amaxes combine through warp shuffles (rows) or shared memory (columns).
 // MXFP8 columnwise data keeps x's layout, so next to a rowwise output, once the column threads have published the
 // 32-row blocks' multipliers, the row threads encode it with one 16-byte store each (columnwise alone: the column
@@ -46,7 +46,7 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
                                              bool row_in_given = false) {
   constexpr bool kNeedTile = kCol != kNone;
   constexpr bool kMxCol = kCol == kMxfp8E4m3 || kCol == kMxfp8E5m2;
-  __shared__ float4 tile[kNeedTile ? kTile : 1][kTile / 4];  // chunk q of row r at TileChunk(r, q)
+  __shared__ float4 tile[kNeedTile ? kTile * TileRowChunks<kCol, kPlain>() : 1];  // chunk q of row r at TileSlot
   __shared__ TileShared sh;
   __shared__ __align__(16) float col_mult[kMxCol && kRow != kNone ? 2 : 1][80];
   __shared__ __align__(16) float col_scale_value[kExact && kMxCol && kRow != kNone ? 2 : 1][80];  // E8M0 values
@@ -72,7 +72,7 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
   if constexpr (kNeedTile) {
 #pragma unroll
     for (int h = 0; h < 4; ++h) {
-      tile[lr][TileChunk(lr, 4 * cg + h)] = make_float4(v[4 * h], v[4 * h + 1], v[4 * h + 2], v[4 * h + 3]);
+      tile[RowSlot<kCol, kPlain>(lr, cg, h)] = make_float4(v[4 * h], v[4 * h + 1], v[4 * h + 2], v[4 * h + 3]);
     }
   }
 
@@ -93,7 +93,7 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const int r = rb * 16 + i;
-      c[i] = reinterpret_cast<const float*>(&tile[r][TileChunk(r, lc >> 2)])[lc & 3];
+      c[i] = reinterpret_cast<const float*>(&tile[ColSlot<kCol, kPlain>(rb, i, lc)])[lc & 3];
     }
     const int opts = kPlain ? 0 : a.col_opts;
     const float seg_amax = ColSegmentAmax<kCol>(a, opts, c, sh, lc, rb);
@@ -133,7 +133,7 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
         uint32_t out[4];
 #pragma unroll
         for (int h = 0; h < 4; ++h) {
-          const float4 xv = tile[lr][TileChunk(lr, 4 * cg + h)], mv = mult[h];
+          const float4 xv = tile[RowSlot<kCol, kPlain>(lr, cg, h)], mv = mult[h];
           const float y0 = __fmul_rn(xv.x, mv.x), y1 = __fmul_rn(xv.y, mv.y);
           const float y2 = __fmul_rn(xv.z, mv.z), y3 = __fmul_rn(xv.w, mv.w);
           out[h] = kCol == kMxfp8E4m3 ? (cvt::E4M3x2(y0, y1) | (cvt::E4M3x2(y2, y3) << 16))

@@ -271,6 +271,30 @@ __device__ __forceinline__ int TileChunk(int r, int q) {
   return q ^ (((q >> 3) & 1) << 1) ^ (r & 1) ^ (((r >> 4) & 3) << 1);
 }
 
+// The tile's row stride in 16-byte chunks. Plain NVFP4 columnwise kernels (kPadded) pad each row by 4 chunks and
+// store chunk q = 4 cg + h of row r at 4 h + (cg ^ ((r >> 4) & 3)), so that a thread's four row chunks and its
+// column's 16 values each sit at one base address plus constant offsets, instead of a per-chunk XOR recomputed every
+// tile (static SASS of the NVFP4 row+col kernel: 1088 -> 1032 instructions). The other kernels keep TileChunk: the
+// MXFP8 columnwise warps read 32 adjacent columns of one row, which the padded layout spreads over 16 banks only,
+// and the NVFP4 kernels with options ran 1-3 % slower with it (H100, session 18). Either layout is free of bank
+// conflicts for a quarter warp's row chunks (rows r, r + 1 x 4 column groups) and a warp's column reads.
+template <int kCol, bool kPlain>
+constexpr bool kPadded = kCol == kNvfp4 && kPlain;
+template <int kCol, bool kPlain>
+__device__ __forceinline__ constexpr int TileRowChunks() { return kPadded<kCol, kPlain> ? 20 : 16; }
+// Chunk h of row segment cg (columns 16 cg + 4 h ..) of tile row r.
+template <int kCol, bool kPlain>
+__device__ __forceinline__ int RowSlot(int r, int cg, int h) {
+  if constexpr (kPadded<kCol, kPlain>) return r * 20 + (cg ^ ((r >> 4) & 3)) + 4 * h;
+  return r * 16 + TileChunk(r, 4 * cg + h);
+}
+// The chunk holding element i of column segment rb (row 16 rb + i) of tile column lc.
+template <int kCol, bool kPlain>
+__device__ __forceinline__ int ColSlot(int rb, int i, int lc) {
+  if constexpr (kPadded<kCol, kPlain>) return rb * 320 + 4 * ((lc >> 2) & 3) + ((lc >> 4) ^ rb) + 20 * i;
+  return (rb * 16 + i) * 16 + TileChunk(rb * 16 + i, lc >> 2);
+}
+
 // MXFP8 columnwise multipliers [32-row half][column]: column c at c + 4 * (c / 16), so that the four 16-byte reads
 // of the four column groups of a row fall in different banks.
 __device__ __forceinline__ int MultIndex(int c) { return c + ((c >> 4) << 2); }
