@@ -46,7 +46,7 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
                                              bool row_in_given = false) {
   constexpr bool kNeedTile = kCol != kNone;
   constexpr bool kMxCol = kCol == kMxfp8E4m3 || kCol == kMxfp8E5m2;
-  __shared__ float4 tile[kNeedTile ? kTile * TileRowChunks<kCol, kPlain>() : 1];  // chunk q of row r at TileSlot
+  __shared__ float4 tile[kNeedTile ? kTile : 1][TileRowChunks<kCol, kPlain>()];  // RowChunk / ColChunk
   __shared__ TileShared sh;
   __shared__ __align__(16) float col_mult[kMxCol && kRow != kNone ? 2 : 1][80];
   __shared__ __align__(16) float col_scale_value[kExact && kMxCol && kRow != kNone ? 2 : 1][80];  // E8M0 values
@@ -72,7 +72,7 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
   if constexpr (kNeedTile) {
 #pragma unroll
     for (int h = 0; h < 4; ++h) {
-      tile[RowSlot<kCol, kPlain>(lr, cg, h)] = make_float4(v[4 * h], v[4 * h + 1], v[4 * h + 2], v[4 * h + 3]);
+      *RowChunk<kCol, kPlain>(tile, lr, cg, h) = make_float4(v[4 * h], v[4 * h + 1], v[4 * h + 2], v[4 * h + 3]);
     }
   }
 
@@ -92,8 +92,7 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
     float c[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      const int r = rb * 16 + i;
-      c[i] = reinterpret_cast<const float*>(&tile[ColSlot<kCol, kPlain>(rb, i, lc)])[lc & 3];
+      c[i] = reinterpret_cast<const float*>(ColChunk<kCol, kPlain>(tile, rb, i, lc))[lc & 3];
     }
     const int opts = kPlain ? 0 : a.col_opts;
     const float seg_amax = ColSegmentAmax<kCol>(a, opts, c, sh, lc, rb);
@@ -133,7 +132,7 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
         uint32_t out[4];
 #pragma unroll
         for (int h = 0; h < 4; ++h) {
-          const float4 xv = tile[RowSlot<kCol, kPlain>(lr, cg, h)], mv = mult[h];
+          const float4 xv = *RowChunk<kCol, kPlain>(tile, lr, cg, h), mv = mult[h];
           const float y0 = __fmul_rn(xv.x, mv.x), y1 = __fmul_rn(xv.y, mv.y);
           const float y2 = __fmul_rn(xv.z, mv.z), y3 = __fmul_rn(xv.w, mv.w);
           out[h] = kCol == kMxfp8E4m3 ? (cvt::E4M3x2(y0, y1) | (cvt::E4M3x2(y2, y3) << 16))
