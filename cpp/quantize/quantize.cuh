@@ -2,7 +2,7 @@
 //
 // One thread block owns a 64x64 tile of one x[p] (256 threads). Thread t loads the 1x16 row segment
 // (row t/4, columns 16*(t%4)...) with vector loads and keeps it in registers for the rowwise output; the tile is
-// also staged in shared memory as fp32 (16-byte chunks, RowSlot / ColSlot), from which thread t reads a 16x1 column
+// also staged in shared memory as fp32 (16-byte chunks, RowChunk / ColChunk), from which thread t reads a 16x1 column
 // segment for the columnwise output. 64 = the 1x64 window, so every block size (16 NVFP4, 32 MXFP8, 16x16 2D tiles, 64
 // windows) closes inside a tile: block amaxes combine through warp shuffles (rows) or shared memory (columns).
 // MXFP8 columnwise data keeps x's layout, so next to a rowwise output, once the column threads have published the
