@@ -72,7 +72,12 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
   if constexpr (kNeedTile) {
 #pragma unroll
     for (int h = 0; h < 4; ++h) {
-      *RowChunk<kCol, kPlain>(tile, lr, cg, h) = make_float4(v[4 * h], v[4 * h + 1], v[4 * h + 2], v[4 * h + 3]);
+      const float4 q = make_float4(v[4 * h], v[4 * h + 1], v[4 * h + 2], v[4 * h + 3]);
+      if constexpr (kPadded<kCol, kPlain>) {
+        *RowChunk(tile, lr, cg, h) = q;
+      } else {
+        tile[lr][TileChunk(lr, 4 * cg + h)] = q;  // indexed in place: through a pointer the SASS grew (session 18)
+      }
     }
   }
 
@@ -92,7 +97,12 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
     float c[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      c[i] = reinterpret_cast<const float*>(ColChunk<kCol, kPlain>(tile, rb, i, lc))[lc & 3];
+      if constexpr (kPadded<kCol, kPlain>) {
+        c[i] = reinterpret_cast<const float*>(ColChunk(tile, rb, i, lc))[lc & 3];
+      } else {
+        const int r = rb * 16 + i;
+        c[i] = reinterpret_cast<const float*>(&tile[r][TileChunk(r, lc >> 2)])[lc & 3];
+      }
     }
     const int opts = kPlain ? 0 : a.col_opts;
     const float seg_amax = ColSegmentAmax<kCol>(a, opts, c, sh, lc, rb);
@@ -132,7 +142,7 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
         uint32_t out[4];
 #pragma unroll
         for (int h = 0; h < 4; ++h) {
-          const float4 xv = *RowChunk<kCol, kPlain>(tile, lr, cg, h), mv = mult[h];
+          const float4 xv = tile[lr][TileChunk(lr, 4 * cg + h)], mv = mult[h];  // MXFP8 columns: never padded
           const float y0 = __fmul_rn(xv.x, mv.x), y1 = __fmul_rn(xv.y, mv.y);
           const float y2 = __fmul_rn(xv.z, mv.z), y3 = __fmul_rn(xv.w, mv.w);
           out[h] = kCol == kMxfp8E4m3 ? (cvt::E4M3x2(y0, y1) | (cvt::E4M3x2(y2, y3) << 16))
