@@ -2,9 +2,10 @@
 //
 // One thread block owns a 64x64 tile of one x[p] (256 threads). Thread t loads the 1x16 row segment
 // (row t/4, columns 16*(t%4)...) with vector loads and keeps it in registers for the rowwise output; the tile is
-// also staged in shared memory as fp32 (16-byte chunks, RowChunk / ColChunk), from which thread t reads a 16x1 column
-// segment for the columnwise output. 64 = the 1x64 window, so every block size (16 NVFP4, 32 MXFP8, 16x16 2D tiles, 64
-// windows) closes inside a tile: block amaxes combine through warp shuffles (rows) or shared memory (columns).
+// also staged in shared memory as fp32 (16-byte chunks at TileChunk, or RowChunk / ColChunk when kPadded), from which
+// thread t reads a 16x1 column segment for the columnwise output. 64 = the 1x64 window, so every block size (16
+// NVFP4, 32 MXFP8, 16x16 2D tiles, 64 windows) closes inside a tile: block amaxes combine through warp shuffles
+// (rows) or shared memory (columns).
 // MXFP8 columnwise data keeps x's layout, so next to a rowwise output, once the column threads have published the
 // 32-row blocks' multipliers, the row threads encode it with one 16-byte store each (columnwise alone: the column
 // threads store their 16 bytes, which saves a barrier). No atomics, no global scratch: every output byte is written
@@ -46,7 +47,7 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
                                              bool row_in_given = false) {
   constexpr bool kNeedTile = kCol != kNone;
   constexpr bool kMxCol = kCol == kMxfp8E4m3 || kCol == kMxfp8E5m2;
-  __shared__ float4 tile[kNeedTile ? kTile : 1][TileRowChunks<kCol, kPlain>()];  // RowChunk / ColChunk
+  __shared__ float4 tile[kNeedTile ? kTile : 1][TileRowChunks<kCol, kPlain>()];  // see kPadded
   __shared__ TileShared sh;
   __shared__ __align__(16) float col_mult[kMxCol && kRow != kNone ? 2 : 1][80];
   __shared__ __align__(16) float col_scale_value[kExact && kMxCol && kRow != kNone ? 2 : 1][80];  // E8M0 values
