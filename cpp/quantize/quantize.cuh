@@ -165,7 +165,12 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
           if (K % 16 == 0) {
             *reinterpret_cast<uint4*>(dst) = make_uint4(out[0], out[1], out[2], out[3]);
           } else {  // rows not 16-byte aligned: byte stores of the valid elements
-            for (int i = 0; i < valid; ++i) dst[i] = uint8_t(out[i >> 2] >> (8 * (i & 3)));
+            // Unrolled, so out[] is indexed by constants and stays in registers (see PickWord; unrolled rather than
+            // picked: it left the grouped MXFP8 row+col tile loop spill-free, session 20).
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+              if (i < valid) dst[i] = uint8_t(out[i >> 2] >> (8 * (i & 3)));
+            }
           }
         }
       }
@@ -283,11 +288,14 @@ constexpr bool kStagedPairing =
 // count. NVFP4 (tools/kernel_check/quantize_check.cu on an H100, session 17, both harness inputs): 5 blocks (48
 // registers) for the plain kernels: col 76.8 -> 79.5 % of copy on N(0, 1) input, row+col +0.4; for the kernels with
 // options they cost RHT col 0.8 and SR 0.5 points, so those keep none. The exact NVFP4-rowwise + MXFP8-columnwise
-// kernels take 4 (without it ptxas gave them 48 registers and a spill: 81 -> 77 %; with it 79.5).
+// kernels take 4 (without it ptxas gave them 48 registers and a spill: 81 -> 77 %; with it 79.5). The staged kernels
+// (mixed) take 4 too: with out[] in registers (see PickWord) ptxas gave them 80 registers (3 blocks) and they lost
+// 1.5-2.5 points of copy (session 20); at 64 they need no spill.
 template <typename In, int kRow, int kCol, bool kPlain, bool kExact>
 constexpr int QuantizeMinBlocks() {
   if (kExact) return kRow == kNvfp4 && (kCol == kMxfp8E4m3 || kCol == kMxfp8E5m2) ? 4 : 0;
-  return kPlain && (kRow == kNvfp4 || kCol == kNvfp4) && !kStagedPairing<In, kRow, kCol, kExact> ? 5 : 0;
+  if (kStagedPairing<In, kRow, kCol, kExact>) return 4;
+  return kPlain && (kRow == kNvfp4 || kCol == kNvfp4) ? 5 : 0;
 }
 
 template <typename In, int kRow, int kCol, bool kPlain, bool kExact>

@@ -135,6 +135,18 @@ __device__ __forceinline__ uint32_t Bf16Pair(float lo, float hi) {
   return dequantize::OutBits<__nv_bfloat16>(lo) | (dequantize::OutBits<__nv_bfloat16>(hi) << 16);
 }
 
+// w[j] for a run-time j < N through compare-selects. Indexing a register array with a run-time value puts the whole
+// array in local memory, and ptxas stores it there ahead of the branch that needs it, i.e. on the vector path too
+// (the MXFP8-columnwise kernels paid a 16-byte local store per thread and tile for their rare byte-store loop: ncu,
+// grouped mixed, 80 MB of local stores for a 16384 x 4096 input; session 20).
+template <int N>
+__device__ __forceinline__ uint32_t PickWord(const uint32_t (&w)[N], int j) {
+  uint32_t r = w[0];
+#pragma unroll
+  for (int i = 1; i < N; ++i) r = j == i ? w[i] : r;
+  return r;
+}
+
 // 16 bfloat16 (8 words) to dst: two 16-byte stores when `vector` (dst 16-byte aligned) and the run is whole, else
 // the first `valid` elements one by one.
 __device__ __forceinline__ void StoreBf16x16(uint8_t* dst, const uint32_t (&o)[8], int valid, bool vector) {
@@ -145,7 +157,7 @@ __device__ __forceinline__ void StoreBf16x16(uint8_t* dst, const uint32_t (&o)[8
     return;
   }
   uint16_t* d = reinterpret_cast<uint16_t*>(dst);
-  for (int i = 0; i < valid; ++i) d[i] = uint16_t(o[i >> 1] >> (16 * (i & 1)));
+  for (int i = 0; i < valid; ++i) d[i] = uint16_t(PickWord(o, i >> 1) >> (16 * (i & 1)));
 }
 
 // value(q) * s_b of one NVFP4 block (packed codes w, E4M3 scale code sc) as 16 bfloat16 at dst (32-byte aligned).
