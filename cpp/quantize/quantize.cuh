@@ -289,12 +289,13 @@ constexpr bool kStagedPairing =
 // registers) for the plain kernels: col 76.8 -> 79.5 % of copy on N(0, 1) input, row+col +0.4; for the kernels with
 // options they cost RHT col 0.8 and SR 0.5 points, so those keep none. The exact NVFP4-rowwise + MXFP8-columnwise
 // kernels take 4 (without it ptxas gave them 48 registers and a spill: 81 -> 77 %; with it 79.5). The staged kernels
-// (mixed) take 4 too: with out[] in registers (see PickWord) ptxas gave them 80 registers (3 blocks) and they lost
-// 1.5-2.5 points of copy (session 20); at 64 they need no spill.
+// (mixed): the plain ones 5 (48 registers, no spill since session 20 kept out[] in registers; H100, session 21, three
+// rounds: 83.1-83.8 -> 86.5-87.9 % of copy, swizzled 81.2-83.0 -> 85.3-87.9; without a bound ptxas gives them 80
+// registers, 3 blocks, 1.5-2.5 points below 4 blocks), the ones with options 4 (at 48 registers they spill).
 template <typename In, int kRow, int kCol, bool kPlain, bool kExact>
 constexpr int QuantizeMinBlocks() {
   if (kExact) return kRow == kNvfp4 && (kCol == kMxfp8E4m3 || kCol == kMxfp8E5m2) ? 4 : 0;
-  if (kStagedPairing<In, kRow, kCol, kExact>) return 4;
+  if (kStagedPairing<In, kRow, kCol, kExact>) return kPlain ? 5 : 4;
   return kPlain && (kRow == kNvfp4 || kCol == kNvfp4) ? 5 : 0;
 }
 
