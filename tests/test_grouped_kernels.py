@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from _cmd_buffer_util import assert_command_buffer_runs
 from _quantize_util import assert_dbias_close, assert_leaf_bits, assert_same_bits, dtype_id, random_input
 
 import jax_fp4
@@ -393,3 +394,28 @@ def test_more_groups_than_the_kernel_table_use_the_reference(rng):
         return jax_fp4.grouped_quantize(x, fd, NVFP4(), axis=0)
 
     gpu_vs_cpu(f, x, rows, present=(), absent=(Q_TARGET,), what="1025 groups")
+
+
+# ---- XLA command buffers (CUDA graphs) -------------------------------------------------------------------------------
+def command_buffer_args(seed):
+    """x[640, 192] (bf16) and group sizes (traced in the workload), one of them empty."""
+    rng = np.random.default_rng(seed)
+    sizes = np.asarray(rng.permutation([0, 96, 160, 384]), np.int32)
+    return random_input(rng, (640, 192), jnp.bfloat16), sizes
+
+
+def command_buffer_workload(args):
+    """The mixed pairing (memset of the amax scratch and the counter, amax kernel, quantize), MXFP8 rowwise (memset of
+    the counter, quantize) and a grouped dequantize, every group size traced."""
+    x, sizes = args
+    row, col, _ = jax_fp4.grouped_quantize_rowwise_columnwise(x, sizes, NVFP4(), MXFP8())
+    mx = jax_fp4.grouped_quantize(x, sizes, MXFP8())
+    return row, col, mx, jax_fp4.grouped_dequantize(row, jnp.bfloat16)
+
+
+def test_command_buffers(rng):
+    """Grouped quantize / dequantize inside jit three times with XLA command buffers capturing the custom calls (CUDA
+    graphs: the graph replays the memsets that zero the scheduling counter), in a subprocess; the bits must be the CPU
+    reference's."""
+    assert_command_buffer_runs(command_buffer_args, command_buffer_workload, int(rng.integers(2**31)),
+                               (Q_TARGET, DQ_TARGET))

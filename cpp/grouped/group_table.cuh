@@ -4,8 +4,9 @@
 // copied to the host, so the handlers are CUDA-graph safe): clamped dims, element offsets (an exclusive scan of
 // M_g * K_g, clamped to the buffer), and an exclusive scan of each group's work units (a kernel-specific count:
 // 64x64 tiles, chunks of blocks, ...), with one extra pseudo-group N for the buffer tail past the last group. The
-// block then walks units blockIdx.x, blockIdx.x + gridDim.x, ... and binary-searches each unit's group. All threads
-// of a block share the unit, so the barriers of the per-unit routines are uniform.
+// block then walks units blockIdx.x, blockIdx.x + gridDim.x, ... (the grouped quantize kernel: blockIdx.x, then the
+// units it claims from a counter) and binary-searches each unit's group. All threads of a block share the unit, so
+// the barriers of the per-unit routines are uniform.
 //
 // The table lives in dynamic shared memory (TableBytes(N)); N <= kMaxGroups.
 #pragma once

@@ -6,13 +6,13 @@
 // rounding), amax_in f32[2N] or [0] (given per-group NVFP4 tensor amaxes, row then column), then any number of ignored
 // operands (tests alias poisoned buffers to the results through them).
 // Results (7; placeholders of 0 elements where an orientation is absent): row_data [size], row_scale [size / block],
-// row_amax f32[N] (NVFP4, else [0]), col_data, col_scale, col_amax, and scratch f32[2N] (the computed per-group
-// amaxes, row then column; [0] without NVFP4). Attributes: row_kind, col_kind (quantize::Kind), flags (row options |
+// row_amax f32[N] (NVFP4, else [0]), col_data, col_scale, col_amax, and scratch f32[2N + 1] (the computed per-group
+// amaxes, row then column, then the quantize kernel's scheduling counter as int32 bits; f32[1] without NVFP4). Attributes: row_kind, col_kind (quantize::Kind), flags (row options |
 // col options << 8; NVFP4 kSr / kRht only), amax_given (bit 0: the rowwise, bit 1: the columnwise NVFP4 amaxes come
 // from amax_in, which must then be f32[2N], and the quantize kernel reads them there; the others are computed). Every
-// size is checked, so a mismatched call is an InvalidArgument error. Command-buffer compatible: an NVFP4 orientation
-// whose amaxes are computed adds a cudaMemsetAsync of the scratch and the per-group amax kernel before the quantize
-// kernel (with every NVFP4 amax given: the quantize kernel alone); no host sync, no allocation.
+// size is checked, so a mismatched call is an InvalidArgument error. Command-buffer compatible: a cudaMemsetAsync of the scratch
+// (with NVFP4 amaxes to compute) or of its counter word, the per-group amax kernel where amaxes are computed, then the
+// quantize kernel; no host sync, no allocation.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -169,14 +169,15 @@ ffi::Error GroupedQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffe
   JF4_CHECK(given_size == 2 * n || (given_size == 0 && (amax_given & 3) == 0),
             where + ": amax_in must be float32[2N] (or float32[0] with amax_given 0), got " +
                 std::to_string(given_size) + " elements with amax_given " + std::to_string(amax_given));
-  JF4_CHECK(static_cast<int64_t>(ElementCount(*scratch)) == (nv ? 2 * n : 0),
-            where + ": scratch must be float32[2N] with an NVFP4 orientation, else float32[0]");
+  JF4_CHECK(static_cast<int64_t>(ElementCount(*scratch)) == (nv ? 2 * n : 0) + 1,
+            where + ": scratch must be float32[2N + 1] with an NVFP4 orientation, else float32[1]");
   JF4_CHECK(size == 0 || a.x != nullptr, where + ": null input buffer");
   JF4_CHECK(first_dims.typed_data() != nullptr && last_dims.typed_data() != nullptr, where + ": null dims");
 
   grouped::AmaxArgs am{};
+  float* s = scratch->typed_data();
+  a.work = reinterpret_cast<int32_t*>(s + (nv ? 2 * n : 0));
   if (nv) {  // given orientations read amax_in directly; the computed ones the scratch the amax kernel fills
-    float* s = scratch->typed_data();
     a.amax_row = row_given ? amax_in.typed_data() : s;
     a.amax_col = col_given ? amax_in.typed_data() + n : s + n;
     am.x = a.x, am.size = size, am.n = a.n;
@@ -185,8 +186,12 @@ ffi::Error GroupedQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffe
     am.row = row_nv && !row_given, am.col = col_nv && !col_given;
     am.row_rht = row_nv && (a.row_opts & quantize::kRht);
     am.col_rht = col_nv && (a.col_opts & quantize::kRht);
-    // The amax kernel max-reduces into zeroed scratch (and reads nothing else of it); all given: no launch at all.
-    if (am.row || am.col) JF4_CUDA_CHECK(cudaMemsetAsync(s, 0, sizeof(float) * 2 * n, stream));
+  }
+  // The amax kernel max-reduces into zeroed scratch (all given: no amax launch); the counter starts at 0.
+  if (am.row || am.col) {
+    JF4_CUDA_CHECK(cudaMemsetAsync(s, 0, sizeof(float) * (2 * n + 1), stream));
+  } else {
+    JF4_CUDA_CHECK(cudaMemsetAsync(a.work, 0, sizeof(int32_t), stream));
   }
   const bool amax_pass = nv && size > 0 && (am.row || am.col);
   return DispatchFloat(x.element_type(), "jf4_grouped_quantize: x", [&](auto tag) -> ffi::Error {

@@ -8,7 +8,8 @@
 // tile path (aligned groups), the generic path (misaligned groups and the ones after them), empty groups, groups
 // past the buffer and the zero-filled tail. `time` times grouped::LaunchQuantize alone (amaxes computed once
 // beforehand: the benchmark's kernel mode) against a device-to-device copy of x (CUDA events, back-to-back
-// launches), on the shapes and group sizes of benchmarks/grouped.py (N = 8) and 64 random groups.
+// launches), on the shapes and group sizes of benchmarks/grouped.py (N = 8), 64 random groups and one group (the
+// scheduling overhead against the single-tensor kernel).
 //
 // Build: nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -ftz=false -Icpp -o gcheck \
 //            tools/kernel_check/grouped_check.cu
@@ -79,6 +80,7 @@ std::vector<Case> TimeCases() {
   const std::vector<int32_t> n8 = {2304, 800, 1536, 1920, 4288, 3360, 1440, 736};  // benchmarks/grouped.py, N = 8
   std::vector<Case> cs;
   for (int64_t k : {4096, 7168}) {
+    cs.push_back({"16384x" + std::to_string(k) + " N=1", 16384 * k, {16384}, {int32_t(k)}});
     cs.push_back({"16384x" + std::to_string(k) + " N=8", 16384 * k, n8, std::vector<int32_t>(8, int32_t(k))});
     cs.push_back({"16384x" + std::to_string(k) + " N=64", 16384 * k, Split(16384, 64, 32, 7),
                   std::vector<int32_t>(64, int32_t(k))});
@@ -184,6 +186,8 @@ int main(int argc, char** argv) {
     const uint32_t* key = DevCopy(keys);
     float* amax = nullptr;
     CK(cudaMalloc(reinterpret_cast<void**>(&amax), 8 * n));
+    int32_t* work = nullptr;  // the scheduling counter
+    CK(cudaMalloc(reinterpret_cast<void**>(&work), sizeof(int32_t)));
     double copy_us = 0;
     if (!check) {
       copy_us = kernel_check::CopyUs(2 * c.size, x);
@@ -198,7 +202,7 @@ int main(int argc, char** argv) {
       a.amax_row = amax, a.amax_col = amax + n;
       a.row_data = row.data, a.row_scale = row.scale, a.row_amax = row.amax;
       a.col_data = col.data, a.col_scale = col.scale, a.col_amax = col.amax;
-      a.row_opts = v.row_opts, a.col_opts = v.col_opts;
+      a.row_opts = v.row_opts, a.col_opts = v.col_opts, a.work = work;
       if (v.row == kNvfp4 || v.col == kNvfp4) {  // per-group amaxes (as the benchmark's kernel mode: not timed)
         CK(cudaMemset(amax, 0, 8 * n));
         grouped::AmaxArgs am{};
@@ -208,7 +212,11 @@ int main(int argc, char** argv) {
         am.row_rht = am.row && (v.row_opts & kRht), am.col_rht = am.col && (v.col_opts & kRht);
         CK(grouped::LaunchAmax<__nv_bfloat16>(am, 0));
       }
-      const LaunchFn fn = Pick(v.row, v.col);
+      const LaunchFn picked = Pick(v.row, v.col);
+      auto fn = [&](const grouped::QuantArgs& qa, cudaStream_t s) {  // the counter starts at 0 (as the handler does)
+        const cudaError_t e = cudaMemsetAsync(work, 0, sizeof(int32_t), s);
+        return e != cudaSuccess ? e : picked(qa, s);
+      };
       if (check) {
         for (Out* o : {&row, &col}) {
           const int poison = mode == "dump" ? 0xA5 : 0x5A;
@@ -243,6 +251,7 @@ int main(int argc, char** argv) {
     cudaFree(const_cast<int32_t*>(last));
     cudaFree(const_cast<uint32_t*>(key));
     cudaFree(amax);
+    cudaFree(work);
   }
   if (mode == "compare") std::printf("%s: %d variant/case pairs differ\n", failures ? "FAIL" : "OK", failures);
   return failures ? 1 : 0;

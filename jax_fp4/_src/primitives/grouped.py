@@ -235,7 +235,8 @@ mlir.register_lowering(grouped_dequantize_p, partitioning.lowering(
 
 # ---- CUDA lowering (cpp/grouped/) -------------------------------------------------------------------------------
 # One persistent launch per call: `jf4_grouped_quantize` (the per-group NVFP4 amax pass unless every amax is given,
-# then the quantize; an extra float32[2N] scratch result holds the per-group amaxes it encodes with) and
+# then the quantize; an extra float32[2N + 1] scratch result holds the per-group amaxes it encodes with and the
+# kernel's scheduling counter, float32[1] without NVFP4) and
 # `jf4_grouped_dequantize`. Group sizes stay on the device. The pairings one launch does not serve (MXFP8 rowwise
 # with NVFP4 or the other MXFP8 columnwise) run two launches; more than MAX_KERNEL_GROUPS groups run the reference.
 # dbias is the reference's column sums (XLA ops).
@@ -278,7 +279,7 @@ def quantize_result_shapes(size, n, row_fmt, col_fmt) -> list:
     avals = _orientation_avals(row_fmt, size, n) + _orientation_avals(col_fmt, size, n)
     nv = _tensor_scale(row_fmt) or _tensor_scale(col_fmt)
     return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals] + [
-        jax.ShapeDtypeStruct((2 * n if nv else 0,), jnp.float32)]
+        jax.ShapeDtypeStruct((2 * n + 1 if nv else 1,), jnp.float32)]
 
 
 def _kernel_quantize(x, first_dims, last_dims, key_row, key_col, amax_in, *, row_fmt, col_fmt, amax_given):
