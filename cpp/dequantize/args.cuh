@@ -57,36 +57,11 @@ __device__ __forceinline__ int64_t ScaleIndex(const Args& a, int64_t row, int64_
   return (a.flags & kSwizzled) ? layout::SwizzledIndex(row, col, a.scale_cols_padded) : row * cols + col;
 }
 
-// fp32 add / subtract with subnormal inputs and results flushed to sign-preserving zero (add.rn.ftz.f32): equal to
-// FlushSubnormal(FlushSubnormal(a) + FlushSubnormal(b)), as a sum of floats that is below FLT_MIN is exact (no
-// rounding happens in the subnormal range, so flushing before or after rounding agrees).
-__device__ __forceinline__ float AddFtz(float a, float b) {
-  float r;
-  asm("add.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-__device__ __forceinline__ float SubFtz(float a, float b) {
-  float r;
-  asm("sub.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-
-constexpr uint32_t kRhtSignMask = 0xD7E8u;  // bit i: output i of the inverse transform is negated
-
-// The four butterfly stages of the inverse RHT, each sum flushed (the first stage also flushes its inputs).
-__device__ __forceinline__ void RhtButterfly16(float (&v)[16]) {
-#pragma unroll
-  for (int h = 1; h < 16; h <<= 1) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      if ((i & h) == 0) {
-        const float x = v[i], y = v[i + h];
-        v[i] = AddFtz(x, y);
-        v[i + h] = SubFtz(x, y);
-      }
-    }
-  }
-}
+// The ftz adds and the butterfly are shared with the forward transform (common/convert.cuh).
+using cvt::AddFtz;
+using cvt::kRhtSignMask;
+using cvt::RhtButterfly16;
+using cvt::SubFtz;
 
 // Inverse RHT of one 16-chunk in fp32 (NUMERICS.md section 2): flush, butterfly (flushed), * 0.25 (flushed), then
 // the signs. The flushes ride on the ftz adds (the first stage flushes its inputs); the last step multiplies by

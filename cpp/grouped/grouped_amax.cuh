@@ -8,7 +8,8 @@
 // elements past the group (the next group's), and this kernel reads the same ones, so the amax (hence the codes)
 // match bit for bit.
 //
-// Work unit: 4 x 256 consecutive 16-blocks (chunks) of one group; thread t owns chunks t, t + 256, ...:
+// Work unit: 4 64x64 tiles of an aligned group for the columnwise RHT amax (AmaxTilePath / AmaxTiles), else
+// 4 x 256 consecutive 16-blocks (chunks) of one group; thread t owns chunks t, t + 256, ...:
 //  * the flat chunk x[off + 16 j, off + 16 j + 16): the rowwise block (RHT: transformed) and, for the columnwise
 //    amax without RHT, the group's elements (a max is order-free), plus the columnwise padding of a misaligned
 //    group in its last chunk;
@@ -42,9 +43,22 @@ struct AmaxArgs {
 };
 
 constexpr int kAmaxUnroll = 4;  // chunks per thread and unit (independent loads in flight)
+constexpr int kAmaxTilesPerUnit = 4;  // 64x64 tiles per tile-path unit, down the rows
 
-__device__ __forceinline__ int64_t AmaxUnits(const Table& t, int g) {
-  return g < t.n ? CeilDiv(CeilDiv(t.Count(g), 16), int64_t(kThreads) * kAmaxUnroll) : 0;
+// Tile path: the columnwise RHT amax of a group whose columns split into whole 16-row segments (M_g % 16 == 0), inside
+// the buffer, with whole rowwise blocks (K_g % 16 == 0) if the rowwise amax is wanted too. Its 64x64 tiles are read
+// as row segments (16-byte loads where aligned) and transposed through shared memory, as the single-tensor RHT amax
+// kernel does, instead of every thread gathering a 16x1 column segment with 16 scalar loads. H200, bytes read against
+// the copy's read + write rate, 16384 x 4096 / 7168 with 1 / 8 / 64 groups: the gather ran at 24 %, a third of the
+// rowwise amax; tiles 28-34 %; tiles with the ftz forward RHT (common/convert.cuh) 43-53 %.
+__device__ __forceinline__ bool AmaxTilePath(const AmaxArgs& a, const Table& t, int g) {
+  return a.col && a.col_rht && t.rows[g] % 16 == 0 && (!a.row || t.cols[g] % 16 == 0) && t.Inside(g);
+}
+
+__device__ __forceinline__ int64_t AmaxUnits(const AmaxArgs& a, const Table& t, int g) {
+  if (g >= t.n || t.Count(g) == 0) return 0;
+  if (AmaxTilePath(a, t, g)) return CeilDiv(CeilDiv(t.rows[g], 64), kAmaxTilesPerUnit) * CeilDiv(t.cols[g], 64);
+  return CeilDiv(CeilDiv(t.Count(g), 16), int64_t(kThreads) * kAmaxUnroll);
 }
 
 template <typename In>
@@ -99,11 +113,57 @@ __device__ __forceinline__ void AmaxChunk(const AmaxArgs& a, const In* x, int64_
   }
 }
 
+// Tile-path unit lu of group g (off, m, k: its offset and dims): tiles [4 mb, 4 mb + 4) of the 64 columns from k0,
+// lu = mb * ceil(k / 64) + k0 / 64. Thread (lr, cg) loads row segment [m0 + lr, k0 + 16 cg, +16) (zeros past the
+// group: a partial last segment or rows of the next group), takes its rowwise amax, and stages it; thread (lc, rb)
+// then transforms column segment [m0 + 16 rb, +16) x column k0 + lc (whole: M_g % 16 == 0; zeros past the group
+// transform to zeros). The same 16 values in the same order as AmaxChunk's, so the same maxima. Called by all threads
+// of the block (barriers inside).
+template <typename In>
+__device__ __forceinline__ void AmaxTiles(const AmaxArgs& a, const In* x, int64_t off, int64_t m, int64_t k,
+                                          int64_t lu, float* row, float* col) {
+  constexpr int kTile = quantize::kTile;
+  __shared__ float tile[kTile][kTile + 1];
+  const uint32_t k_tiles = uint32_t(CeilDiv(k, kTile)), mb = uint32_t(lu) / k_tiles;
+  const int64_t k0 = int64_t(uint32_t(lu) - mb * k_tiles) * kTile, m_tiles = CeilDiv(m, kTile);
+  const int64_t mt0 = int64_t(mb) * kAmaxTilesPerUnit;
+  const int64_t mt1 = mt0 + kAmaxTilesPerUnit < m_tiles ? mt0 + kAmaxTilesPerUnit : m_tiles;
+  const int t = int(threadIdx.x), lr = t >> 2, cg = t & 3, lc = t & 63, rb = t >> 6;
+  const bool vector = reinterpret_cast<uintptr_t>(x + off) % 16 == 0 && (k * int64_t(sizeof(In))) % 16 == 0;
+  const int64_t kk = k0 + cg * 16;
+  for (int64_t mt = mt0; mt < mt1; ++mt) {  // uniform trip count
+    const int64_t r = mt * kTile + lr;
+    const int valid = r < m && kk < k ? int(k - kk < 16 ? k - kk : 16) : 0;
+    float v[16];
+    quantize::Load16<In>(x + off + r * k + kk, valid, vector, v);
+    if (a.row) {
+      if (a.row_rht) {
+        float w[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) w[i] = v[i];
+        cvt::RhtForward16(w);
+        *row = fmaxf(*row, quantize::Max16(w));
+      } else {
+        *row = fmaxf(*row, quantize::Max16(v));
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) tile[lr][cg * 16 + i] = v[i];
+    __syncthreads();
+    float c[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) c[i] = tile[rb * 16 + i][lc];
+    cvt::RhtForward16(c);
+    *col = fmaxf(*col, quantize::Max16(c));
+    __syncthreads();  // the tile is reused by the next one
+  }
+}
+
 template <typename In>
 __global__ void __launch_bounds__(kThreads) GroupedAmaxKernel(const AmaxArgs a) {
   extern __shared__ int32_t table_smem[];
   Table t = CarveTable(table_smem, a.n, a.size);
-  BuildTable(t, a.first_dims, a.last_dims, [](const Table& tt, int g) { return AmaxUnits(tt, g); });
+  BuildTable(t, a.first_dims, a.last_dims, [&a](const Table& tt, int g) { return AmaxUnits(a, tt, g); });
   const In* x = static_cast<const In*>(a.x);
   // Running maxima of the group `acc_g` over this block's units, published (block reduction + one atomicMax per
   // orientation) when the next unit belongs to another group or the block is done: the blocks' consecutive units
@@ -125,6 +185,10 @@ __global__ void __launch_bounds__(kThreads) GroupedAmaxKernel(const AmaxArgs a) 
     if (!more) break;
     acc_g = g;
     const int64_t off = t.off[g], cnt = t.Count(g), m = t.rows[g], k = t.cols[g];
+    if (AmaxTilePath(a, t, g)) {  // uniform over the block
+      AmaxTiles<In>(a, x, off, m, k, u - t.units[g], &row, &col);
+      continue;
+    }
     const int64_t chunks = CeilDiv(cnt, 16);
 #pragma unroll
     for (int r = 0; r < kAmaxUnroll; ++r) {

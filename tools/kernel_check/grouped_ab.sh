@@ -10,15 +10,24 @@ set -uo pipefail
 OLD="$1"; ONLY="$2"; ROUNDS="${3:-2}"; NCU="${4:-}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 FLAGS=(-std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -ftz=false)
+# EXTRA="DIR ..." (optional): more builds (trees like OLD_DIR, named by their last path component), checked and timed
+# beside new.
+BUILDS=(old new)
 nvcc "${FLAGS[@]}" -I"$OLD/cpp" -I"$OLD/tools/kernel_check" -o /tmp/g_old "$OLD/tools/kernel_check/grouped_check.cu" &
 nvcc "${FLAGS[@]}" -Icpp -o /tmp/g_new tools/kernel_check/grouped_check.cu &
+for d in ${EXTRA:-}; do
+  b=$(basename "$d"); BUILDS+=("$b")
+  nvcc "${FLAGS[@]}" -I"$d/cpp" -I"$d/tools/kernel_check" -o "/tmp/g_$b" "$d/tools/kernel_check/grouped_check.cu" &
+done
 wait
 nvidia-smi --query-gpu=name --format=csv,noheader
 mkdir -p /tmp/ref
 /tmp/g_old dump /tmp/ref > "$OUT/dump.log" 2>&1; echo "dump rc=$?"
-/tmp/g_new compare /tmp/ref > "$OUT/compare.log" 2>&1; echo "compare rc=$?"; tail -1 "$OUT/compare.log"
+for v in "${BUILDS[@]:1}"; do
+  /tmp/g_$v compare /tmp/ref >> "$OUT/compare.log" 2>&1; echo "compare $v rc=$? $(tail -1 "$OUT/compare.log")"
+done
 for r in $(seq 1 "$ROUNDS"); do
-  for v in old new; do
+  for v in "${BUILDS[@]}"; do
     echo "== $v round $r" >> "$OUT/time.log"
     /tmp/g_$v time "$ONLY" >> "$OUT/time.log" 2>&1
   done

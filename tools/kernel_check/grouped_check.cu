@@ -9,7 +9,8 @@
 // past the buffer and the zero-filled tail. `time` times grouped::LaunchQuantize alone (amaxes computed once
 // beforehand: the benchmark's kernel mode) against a device-to-device copy of x (CUDA events, back-to-back
 // launches), on the shapes and group sizes of benchmarks/grouped.py (N = 8), 64 random groups and one group (the
-// scheduling overhead against the single-tensor kernel).
+// scheduling overhead against the single-tensor kernel); for NVFP4 also the per-group amax pass alone (" amax": the
+// bytes it reads over its time, against the copy's read + write rate).
 //
 // Build: nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -ftz=false -Icpp -o gcheck \
 //            tools/kernel_check/grouped_check.cu
@@ -211,6 +212,17 @@ int main(int argc, char** argv) {
         am.row = v.row == kNvfp4, am.col = v.col == kNvfp4;
         am.row_rht = am.row && (v.row_opts & kRht), am.col_rht = am.col && (v.col_opts & kRht);
         CK(grouped::LaunchAmax<__nv_bfloat16>(am, 0));
+        if (!check) {  // the amax pass alone (zeroing included, as the handler does): bytes read over the time
+          const double t = kernel_check::BestUs(
+              [&] {
+                const cudaError_t e = cudaMemsetAsync(amax, 0, 8 * n, 0);
+                return e != cudaSuccess ? e : grouped::LaunchAmax<__nv_bfloat16>(am, 0);
+              },
+              20);
+          const double ceil_bps = 4.0 * c.size / copy_us * 1e6;
+          std::printf("  %-30s %8.1f us %7.0f GB/s %5.1f%% of copy\n", (std::string(v.name) + " amax").c_str(), t,
+                      2.0 * c.size / (t * 1e-6) / 1e9, 100 * 2.0 * c.size / (t * 1e-6) / ceil_bps);
+        }
       }
       const LaunchFn picked = Pick(v.row, v.col);
       auto fn = [&](const grouped::QuantArgs& qa, cudaStream_t s) {  // the counter starts at 0 (as the handler does)
