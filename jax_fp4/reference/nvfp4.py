@@ -45,10 +45,15 @@ def _min_flt_max(v):
 
 
 def global_encode_scale(amax):
-    """S_enc = min(2688 / amax, FLT_MAX); 1 where amax == 0 or S_enc == 0 (amax = inf). fp32."""
+    """S_enc = min(2688 / amax, FLT_MAX); 1 where amax == 0 or S_enc == 0 (amax = inf). fp32.
+
+    The result passes an optimization barrier: without it XLA:CPU (jax 0.12) may fuse the exact integer division into
+    every element's encode, and inside a `lax.scan` body it then spent over 20 minutes compiling one NVFP4 quantize
+    (tests/test_quantize_ops.py, 3.5 s with jax 0.10.2). The barrier changes no value.
+    """
     amax = jnp.asarray(amax, F32)
     s = _min_flt_max(_f32.div(ENC_NUMERATOR, amax))
-    return jnp.where(_f32.is_zero(amax) | _f32.is_zero(s), F32(1), s)
+    return lax.optimization_barrier(jnp.where(_f32.is_zero(amax) | _f32.is_zero(s), F32(1), s))
 
 
 def _e4m3(v):
