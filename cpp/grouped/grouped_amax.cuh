@@ -66,6 +66,19 @@ __device__ __forceinline__ float LoadOr0(const In* x, int64_t i, int64_t size) {
   return i < size ? quantize::ToFloat<In>(x[i]) : 0.0f;
 }
 
+// Max-accumulates the rowwise amax of one 16-element block v into *row (of its RHT for RHT formats; v is kept).
+__device__ __forceinline__ void RowBlockAmax(const AmaxArgs& a, const float (&v)[16], float* row) {
+  if (a.row_rht) {
+    float w[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) w[i] = v[i];
+    cvt::RhtForward16(w);
+    *row = fmaxf(*row, quantize::Max16(w));
+  } else {
+    *row = fmaxf(*row, quantize::Max16(v));
+  }
+}
+
 // Max-accumulates chunk j (< chunks) of group g into *row / *col.
 template <typename In>
 __device__ __forceinline__ void AmaxChunk(const AmaxArgs& a, const In* x, int64_t off, int64_t cnt, int64_t m,
@@ -75,17 +88,7 @@ __device__ __forceinline__ void AmaxChunk(const AmaxArgs& a, const In* x, int64_
     const bool vector = reinterpret_cast<uintptr_t>(x + off) % 16 == 0;
     float v[16];
     quantize::Load16<In>(x + s0, left < 16 ? int(left) : 16, vector, v);
-    if (a.row) {
-      if (a.row_rht) {
-        float w[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) w[i] = v[i];
-        cvt::RhtForward16(w);
-        *row = fmaxf(*row, quantize::Max16(w));
-      } else {
-        *row = fmaxf(*row, quantize::Max16(v));  // a misaligned group's last chunk: the reference's padding too
-      }
-    }
+    if (a.row) RowBlockAmax(a, v, row);  // a misaligned group's last chunk: the reference's padding too
     if (a.col && !a.col_rht) {
       const int64_t in_group = cnt - 16 * j;
 #pragma unroll
@@ -136,17 +139,7 @@ __device__ __forceinline__ void AmaxTiles(const AmaxArgs& a, const In* x, int64_
     const int valid = r < m && kk < k ? int(k - kk < 16 ? k - kk : 16) : 0;
     float v[16];
     quantize::Load16<In>(x + off + r * k + kk, valid, vector, v);
-    if (a.row) {
-      if (a.row_rht) {
-        float w[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) w[i] = v[i];
-        cvt::RhtForward16(w);
-        *row = fmaxf(*row, quantize::Max16(w));
-      } else {
-        *row = fmaxf(*row, quantize::Max16(v));
-      }
-    }
+    if (a.row) RowBlockAmax(a, v, row);
 #pragma unroll
     for (int i = 0; i < 16; ++i) tile[lr][cg * 16 + i] = v[i];
     __syncthreads();
