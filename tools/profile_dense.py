@@ -2,10 +2,9 @@
 
 Runs the compiled step under `jax.profiler.trace` and reads the trace back with `jax.profiler.ProfileData`: every
 GPU kernel event of the profiled steps, summed by kernel name and by HLO op, plus a breakdown into categories
-(GEMM, jax_fp4 custom calls, other XLA fusions). Nothing outside jax is needed (Nsight Compute crashed on this
-workload in session 3).
+(GEMM, jax_fp4 custom calls, other XLA fusions). Nothing outside jax is needed.
 
-Usage on the device machine (package installed on PYTHONPATH, run from outside the checkout):
+Usage on a CUDA machine (package installed on PYTHONPATH, run from outside the checkout):
   python3 -P tools/profile_dense.py --recipes bf16,nvfp4-fwd-mxfp8-bwd [--shape 16384,4096,4096] [--steps 5]
     [--json out.json]
 """

@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
-# One device call that builds the package and runs the GPU checks, logging to $OUT (see ../shared/DESIGN.md,
-# "GPU workflow"). Usage on the device machine, from the repository root:
-#   bash tools/gpu_session.sh [golden] [pytest] [sanitize] [bench-quantize] [bench-dequantize] [bench-dense] [bench-amax] [ncu-quantize] [profile-dense]
-# (no arguments: all of them). Needs tools/golden/ref.npz from `python -P tools/golden/make.py` for "golden".
+# Builds the package into /tmp/site and runs the chosen GPU checks against that install (from /tmp, so the checkout
+# is not imported), writing each step's log to $OUT (default /tmp/out) and printing a summary line per step:
+#   golden            tools/golden/check.py: kernel outputs against precomputed reference bits (needs
+#                     tools/golden/ref.npz from `python -P tools/golden/make.py`)
+#   pytest            pytest -m gpu tests
+#   sanitize          compute-sanitizer memcheck and racecheck of tools/golden/sanitize.py
+#   bench-quantize, bench-dequantize, bench-dense, bench-amax   the benchmarks/ tables (JSON to $OUT)
+#   ncu-quantize      ncu sections of the NVFP4 row+col quantize kernel at 8192x8192
+#   profile-dense     tools/profile_dense.py: a dense step's GPU time by kernel
+# Usage, from the repository root on a CUDA machine:
+#   bash tools/dev/gpu_checks.sh [STEP ...]   (no arguments: golden pytest sanitize bench-quantize bench-dense bench-amax)
 set -uo pipefail
 R="$PWD"
 OUT="${OUT:-/tmp/out}"

@@ -8,7 +8,7 @@ instructions at both revisions. Addresses and branch / BSSY / CALL targets are m
 in the file still matches. Template arguments added on one side make kernel names differ; --rename maps a name
 fragment of the new side to the old one (e.g. "ELb0E=E") before the names are paired.
 
-Usage: python tools/kernel_check/sass_diff.py SOURCE OLD_REV [NEW_REV|WORKTREE] [--match TEXT] [--rename A=B ...]
+Usage: python tools/dev/kernel_check/sass_diff.py SOURCE OLD_REV [NEW_REV|WORKTREE] [--match TEXT] [--rename A=B ...]
                                               [--arch sm_90a] [--include DIR ...]
 Needs nvcc and cuobjdump on PATH (cuobjdump: the nvidia-cuda-cuobjdump wheel if the toolkit lacks it). Exit status
 1 when a paired kernel differs or a kernel has no partner.

@@ -11,7 +11,7 @@
 // holds infs, so most NVFP4 blocks get saturated or subnormal scales: a worst case, not a typical one).
 //
 // Build: nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -ftz=false -Icpp -o qcheck \
-//            tools/kernel_check/quantize_check.cu
+//            tools/dev/kernel_check/quantize_check.cu
 // Run:   ./qcheck dump|compare DIR [variant substring]  |  ./qcheck time|profile [variant substring]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -4,7 +4,7 @@
 // equals the correctly rounded x / b. Scaling x and b by powers of two scales every step exactly while the
 // intermediates stay normal, which WindowDivisor::Safe guarantees; so this covers every window it accepts.
 //
-// Build and run: g++ -O2 -mfma -std=c++17 -o /tmp/markstein tools/kernel_check/markstein_check.cc && /tmp/markstein
+// Build and run: g++ -O2 -mfma -std=c++17 -o /tmp/markstein tools/dev/kernel_check/markstein_check.cc && /tmp/markstein
 #include <cmath>
 #include <cstdint>
 #include <cstdio>

@@ -1,7 +1,7 @@
 """Tabulates an A/B timing log of the kernel_check harnesses: `== NAME round R` headers followed by a harness's
 `time` output. One row per variant and shape, one column per build, the rounds' % of copy joined by '/'.
 
-Usage: python tools/kernel_check/ab_table.py TIME_LOG
+Usage: python tools/dev/kernel_check/ab_table.py TIME_LOG
 """
 
 import collections

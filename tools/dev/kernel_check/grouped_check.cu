@@ -13,7 +13,7 @@
 // bytes it reads over its time, against the copy's read + write rate).
 //
 // Build: nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -ftz=false -Icpp -o gcheck \
-//            tools/kernel_check/grouped_check.cu
+//            tools/dev/kernel_check/grouped_check.cu
 // Run:   ./gcheck dump|compare DIR [variant substring]  |  ./gcheck time [variant substring]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -1,13 +1,13 @@
 """Summarise an ncu per-instruction export by execution count (a development tool, no GPU needed).
 
 `ncu -i REPORT --page source --csv --print-source sass > FILE.csv` (a report taken with `--section SourceCounters`,
-as tools/kernel_check/grouped_ab.sh does) lists every SASS instruction of the kernel with its warp-level execution
+as tools/dev/kernel_check/grouped_ab.sh does) lists every SASS instruction of the kernel with its warp-level execution
 count and stall samples. Instructions executed equally often form one bucket, and a bucket's count names the loop it
 belongs to: with 8 warps a block, count / 8 is the trip count, e.g. one per 64x64 tile (the tile loop), one per work
 unit (the unit set-up), one per block (the prologue). This prints, per bucket, the instructions it holds, its share of
 the executed instructions and of the stall samples, so that two builds or two kernels can be compared loop by loop.
 
-Usage: python tools/kernel_check/sass_counts.py FILE.csv [FILE.csv ...] [--top N] [--list COUNT,...]
+Usage: python tools/dev/kernel_check/sass_counts.py FILE.csv [FILE.csv ...] [--top N] [--list COUNT,...]
 (--list prints the instructions of the given buckets, in address order.)
 """
 

@@ -9,7 +9,7 @@
 // `profile` launches each variant once at 8192x8192 (for ncu).
 //
 // Build: nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -ftz=false -Icpp -o dqcheck
-//            tools/kernel_check/dequantize_check.cu
+//            tools/dev/kernel_check/dequantize_check.cu
 // Run:   ./dqcheck dump|compare DIR [variant substring]  |  ./dqcheck time|profile [variant substring]
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
