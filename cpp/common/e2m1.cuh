@@ -11,7 +11,7 @@
 //     1.5 * 2^23's exponent; NaN / inf sums are larger) by one VIMNMX3 (a sm_90 DPX instruction) and clamped to code 7
 //     by one VIMNMX, which also maps |y| > 6, inf and NaN to 7 (the sign comes from y: NaN products are positive on
 //     the GPU). No clamp is needed before. This replaced clamp + binade (LOP3, VIMNMX, LEA.HI) + FFMA: ALU-pipe
-//     instructions of the NVFP4 row+col tile loop 270 -> 206, total unchanged (tools/kernel_check, session 17).
+//     instructions of the NVFP4 row+col tile loop 270 -> 206, total unchanged (tools/dev/kernel_check, session 17).
 //   * stochastic rounding (TE PR #3281, reference/sr.py) keeps a binade form on c = max(min(y, 6), -6) (min first:
 //     NaN -> +6), a = |c|: e = 2^floor(log2 a) clamped below to 1 (e in {1, 2, 4}), step = e / 2, s = 2 / e,
 //     off = 2 log2(e); t = a + (rand / 256) * step, rounded once (FFMA of the exact product), then floor(t * s) + off

@@ -89,7 +89,7 @@ __device__ __forceinline__ bool RhtScaleFree(float m) { return fabsf(m) >= 0x1p-
 // within one ulp of x / enc) as long as nothing under- or overflows. With |x| in [2^-10, 2688] (or 0), enc in
 // [2^-114, 2^90] keeps q0, rem and rem * rcp normal (`Safe`); other windows and NaN block scales take __fdiv_rn.
 // copysign gives x / enc's sign to a zero quotient (the fma chain would return +0 for x = -0). Checked against
-// __fdiv_rn on the host for every block-value mantissa x every divisor mantissa (tools/kernel_check/markstein_check.cc).
+// __fdiv_rn on the host for every block-value mantissa x every divisor mantissa (tools/dev/kernel_check/markstein_check.cc).
 struct WindowDivisor {
   float enc, rcp;
   __device__ __forceinline__ static bool Safe(float enc) { return enc >= 0x1p-114f && enc <= 0x1p90f; }

@@ -38,7 +38,7 @@ namespace dequantize {
 
 constexpr int kTR = 128, kTC = 64;
 // Resident blocks per SM (__launch_bounds__: at most 64 registers) and column tiles per band (TilePos). Measured on
-// an H100 (tools/kernel_check/dequantize_check.cu, session 9, then with a persistent grid): 4 blocks beat 5 by 1-3 %,
+// an H100 (tools/dev/kernel_check/dequantize_check.cu, session 9, then with a persistent grid): 4 blocks beat 5 by 1-3 %,
 // bands of 32 beat column-tile-first order by up to 20 % at 16384x14336.
 constexpr int kTransposeBlocksPerSm = 4, kMaxBand = 32;
 constexpr int kTransposeBlocksPerSm16 = 6;  // one-tile blocks with 16-bit outputs (TransposeBlocksPerSm)

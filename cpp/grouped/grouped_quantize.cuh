@@ -230,7 +230,7 @@ __device__ __forceinline__ void GenericMxfp8(const QuantArgs& a, const Table& t,
 
 // ---- the kernel ---------------------------------------------------------------------------------------------------
 // Resident blocks per SM (__launch_bounds__; the rare generic path may spill a little rather than cost the tile path
-// occupancy). Measured with tools/kernel_check/grouped_check.cu on an H100 (kernel mode, % of copy at 16384 x 4096 /
+// occupancy). Measured with tools/dev/kernel_check/grouped_check.cu on an H100 (kernel mode, % of copy at 16384 x 4096 /
 // 7168 with 8 / 64 groups), against 4 blocks (64 registers) for every NVFP4 pairing:
 //  * NVFP4 rowwise: 6 blocks (40 registers), 73.3 / 67.4, 75.3 / 68.4 -> 81.8 / 72.5, 83.3 / 76.2 (5 blocks: 79.8 /
 //    74.3, 80.9 / 71.6);
@@ -349,7 +349,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<kRow, kCol>()) GroupedQuan
 
 // Host-side launch of one pairing (persistent grid; the options-free NVFP4 kernels use the tile routine's plain
 // variant); *a.work must be 0 (a cudaMemsetAsync before the launch). Shared by the FFI handler and
-// tools/kernel_check/grouped_check.cu.
+// tools/dev/kernel_check/grouped_check.cu.
 template <typename In, int kRow, int kCol>
 cudaError_t LaunchQuantize(const QuantArgs& a, cudaStream_t stream) {
   static_assert(kRow != kNone || kCol != kNone, "no orientation");

@@ -285,7 +285,7 @@ constexpr bool kStagedPairing =
 // Resident blocks per SM (__launch_bounds__; 0: none, the same code as no bound). MXFP8 kernels take none:
 // __launch_bounds__(256, 4) measured slower for them (rowwise 68.3 instead of 59.4 us at 8192^2 on an H200, row+col
 // 97.0 instead of 92.1) and (256, 1) slower still (row+col 113.8 us): it changes the schedule, not just the register
-// count. NVFP4 (tools/kernel_check/quantize_check.cu on an H100, session 17, both harness inputs): 5 blocks (48
+// count. NVFP4 (tools/dev/kernel_check/quantize_check.cu on an H100, session 17, both harness inputs): 5 blocks (48
 // registers) for the plain kernels: col 76.8 -> 79.5 % of copy on N(0, 1) input, row+col +0.4; for the kernels with
 // options they cost RHT col 0.8 and SR 0.5 points, so those keep none. The exact NVFP4-rowwise + MXFP8-columnwise
 // kernels take 4 (without it ptxas gave them 48 registers and a spill: 81 -> 77 %; with it 79.5). The staged kernels
