@@ -7,7 +7,7 @@ Public surface:
   tensor_amax                       fmax-reduction of |x| (CUDA kernel where available)
   scaled_dot_general                product of two QuantizedArrays (emulated, or native on sm_100)
   recipes, dense, dot_general       quantized training: custom-VJP GEMMs following a Recipe
-  reference                         the pure-jnp bit-exact reference of NUMERICS.md
+  reference                         the pure-jnp bit-exact reference of docs/numerics.md
 """
 
 from jax_fp4 import recipes, reference

@@ -1,4 +1,4 @@
-"""Block-scaled format specs: `NVFP4` and `MXFP8` (NUMERICS.md sections 1-3).
+"""Block-scaled format specs: `NVFP4` and `MXFP8` (docs/numerics.md sections 1-3).
 
 A format spec is a frozen, hashable value (usable as a `jax.jit` static argument). It owns every fact about its
 format — block size, code and scale dtypes, max values, scale shapes (compact / padded / GEMM-swizzled) and input
@@ -11,7 +11,7 @@ Orientation. `axis` is the *block axis*: the axis along which consecutive elemen
 - MXFP8 keeps x's shape for the data; scales have x's shape with the block axis divided by 32 (rowwise
   [M, K/32], columnwise [M/32, K]).
 Scale matrices are viewed 2-D for padding and swizzling: rows = all non-block axes (in data order), columns = the
-block axis's scale count. MXFP8 columnwise scales [M/32, K] are thus viewed as [K, M/32] (NUMERICS.md section 3).
+block axis's scale count. MXFP8 columnwise scales [M/32, K] are thus viewed as [K, M/32] (docs/numerics.md section 3).
 """
 
 from __future__ import annotations
@@ -138,14 +138,14 @@ class Format:
         return round_up(r, SCALE_TILE_ROWS), round_up(c, SCALE_TILE_COLS)
 
     def swizzled_scale_shape(self, shape, axis: int) -> tuple[int, int]:
-        """GEMM-swizzled scales keep the padded 2-D shape; only the element order changes (NUMERICS.md s3)."""
+        """GEMM-swizzled scales keep the padded 2-D shape; only the element order changes (docs/numerics.md s3)."""
         return self.padded_scale_shape(shape, axis)
 
     stores_block_axis_last: ClassVar[bool] = False
 
 
 class NVFP4(Format):
-    """NVFP4: E2M1 values in 1x16 blocks with E4M3 block scales and an fp32 tensor amax (NUMERICS.md s1).
+    """NVFP4: E2M1 values in 1x16 blocks with E4M3 block scales and an fp32 tensor amax (docs/numerics.md s1).
 
     Options (all keyword, default False):
       scaling_2d: one block scale per 16x16 tile (weights), stored broadcast in the 1x16 layout. Needs the
@@ -218,7 +218,7 @@ class NVFP4(Format):
 
 
 class MXFP8(Format):
-    """MXFP8: E4M3 or E5M2 values in 1x32 blocks with E8M0 (power-of-two) scales (NUMERICS.md s2).
+    """MXFP8: E4M3 or E5M2 values in 1x32 blocks with E8M0 (power-of-two) scales (docs/numerics.md s2).
 
     Options:
       element: "e4m3" (default, max 448) or "e5m2" (max 57344). A jnp dtype is accepted too.

@@ -1,4 +1,4 @@
-"""`scaled_dot_general`: the product of two QuantizedArrays (NUMERICS.md, "GEMM emulation").
+"""`scaled_dot_general`: the product of two QuantizedArrays (docs/numerics.md, "GEMM emulation").
 
 Two implementations, chosen at trace time:
   * "emulated" (CPU, Hopper, any platform): each operand becomes its exact block-scaled values (value(q) * s_b for
@@ -140,7 +140,7 @@ def scaled_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, 
       ValueError: non-QuantizedArray operands; a block axis that is not contracted; one RHT operand without the
       other; implementation="native" where the formats or device do not allow it.
 
-    Numerics: NUMERICS.md "GEMM emulation": sum of exact block-scaled products accumulated in float32, then the
+    Numerics: docs/numerics.md "GEMM emulation": sum of exact block-scaled products accumulated in float32, then the
     tensor scales (amax_a / 2688) * (amax_b / 2688) for NVFP4.
     """
     if implementation not in IMPLEMENTATIONS:
@@ -169,7 +169,7 @@ def exact_dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float3
     """The emulated block-scaled product of two operands, each a QuantizedArray or an ExactOperand.
 
     The exact values multiply as a `lax.dot_general` with float32 accumulation (products exact: bfloat16 operands,
-    or float32 for NVFP4 1x64), then the tensor scales multiply the float32 result (NUMERICS.md "GEMM emulation").
+    or float32 for NVFP4 1x64), then the tensor scales multiply the float32 result (docs/numerics.md "GEMM emulation").
     `scaled_dot_general` validates QuantizedArray pairs (block axes contracted, RHT in pairs) before it comes here;
     ExactOperands carry no format, so that is the caller's contract (`jax_fp4.dense` pairs them by its recipe).
 

@@ -2,7 +2,7 @@
 
 `grouped_quantize` and `grouped_quantize_rowwise_columnwise` bind `jf4_grouped_quantize`
 (jax_fp4/_src/primitives/grouped.py), `grouped_dequantize` binds `jf4_grouped_dequantize`. Group sizes are arrays
-(a router's counts, traced under jit): nothing copies them to the host. NUMERICS.md section 4; the bit-exact
+(a router's counts, traced under jit): nothing copies them to the host. docs/numerics.md section 4; the bit-exact
 reference is `jax_fp4.reference.grouped`.
 """
 

@@ -1,4 +1,5 @@
-"""`GroupedQuantizedArray`: N block-scaled tensors in contiguous buffers (NUMERICS.md section 4, TE `GroupedTensor`).
+"""`GroupedQuantizedArray`: N block-scaled tensors in contiguous buffers (docs/numerics.md section 4, TE
+`GroupedTensor`).
 
 The pytree `jax_fp4.grouped_quantize` returns and `jax_fp4.grouped_dequantize` / `jax_fp4.ragged_dot` consume.
 """

@@ -11,12 +11,12 @@ wgrad is the transpose `jax.lax.ragged_dot` itself uses for rhs: a `ragged_dot_g
 (tokens) is contracted, giving one [K, N] product per group.
 
 Quantization: x and dy are grouped tensors (VARYING_FIRST_DIM over the token groups), each quantized once in both
-orientations by `grouped_quantize_rowwise_columnwise` (one tensor scale per group: NUMERICS.md section 4); w is
+orientations by `grouped_quantize_rowwise_columnwise` (one tensor scale per group: docs/numerics.md section 4); w is
 quantized per expert by `jax.vmap(quantize_rowwise_columnwise)` (one tensor scale per expert; every single-tensor
 format, NVFP4's 16x16 2D weight blocks included). The residuals are the *quantized* wgrad x (grouped) and dgrad w
 (per expert), tagged "jax_fp4_x_wgrad" / "jax_fp4_w_dgrad" as in `jax_fp4.dense`, plus group_sizes.
 
-Emulation (NUMERICS.md "GEMM emulation", as `scaled_dot_general`): each operand becomes its exact block-scaled
+Emulation (docs/numerics.md "GEMM emulation", as `scaled_dot_general`): each operand becomes its exact block-scaled
 values (value(q) * s_b, exact in bfloat16), the ragged product accumulates in float32 (Precision.HIGHEST), and
 the NVFP4 tensor scales amax/2688 of the row's group (fprop, dgrad) or of the group (wgrad) multiply the float32
 result, lhs's first. RHT pairs (wgrad) cancel inside each 16-chunk of tokens, which lies in one group when the

@@ -86,7 +86,7 @@ def quantize(x, fmt: Format, *, axis: int = -1, key=None, scale_layout: str = "c
       % 16 != 0; local_1x64 with the block axis or the other axes % 64 != 0; stochastic rounding without `key`;
       an unknown scale_layout.
 
-    Numerics: NUMERICS.md sections 1-3 (TE `core_nvfp4.cuh`, `quantize_mxfp8.cuh`), bit for bit on every platform.
+    Numerics: docs/numerics.md sections 1-3 (TE `core_nvfp4.cuh`, `quantize_mxfp8.cuh`), bit for bit on every platform.
     """
     _check_layout(scale_layout, x, fmt)
     axis = reference.quantize_module.check_inputs(x, fmt, axis, key)
@@ -232,7 +232,7 @@ def swizzle_scales(q: QuantizedArray) -> QuantizedArray:
     """Return `q` with GEMM-swizzled scales (padded [round_up(rows,128), round_up(cols,4)]); no-op if already.
 
     The compact scales are viewed as the 2-D scale matrix [rows, cols] (block axis last, the other axes flattened;
-    MXFP8 columnwise scales transposed first, NUMERICS.md section 3) and bound to the `jf4_swizzle` primitive (CUDA
+    MXFP8 columnwise scales transposed first, docs/numerics.md section 3) and bound to the `jf4_swizzle` primitive (CUDA
     kernel where built; padding written as zero bytes).
     """
     if q.scale_layout == "swizzled":

@@ -22,7 +22,7 @@ class QuantizedArray:
         nibble. MXFP8: float8_e4m3fn / float8_e5m2 with x's shape.
       scale: block scales. Compact: NVFP4 float8_e4m3fn [..., n/16] (data shape, last axis / 16); MXFP8
         float8_e8m0fnu with x's shape and the block axis / 32. Swizzled: the 2-D padded GEMM layout
-        [round_up(rows, 128), round_up(cols, 4)] (NUMERICS.md section 3).
+        [round_up(rows, 128), round_up(cols, 4)] (docs/numerics.md section 3).
       amax: float32 scalar tensor amax (NVFP4 1D/2D/RHT: of the transformed tensor for RHT); None otherwise.
       window_amax: float32 [..., n/64] (NVFP4 1x64 only), else None.
     Static fields: fmt (the format spec), axis (block axis of the original x, negative), scale_layout.

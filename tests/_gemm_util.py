@@ -1,6 +1,6 @@
 """Helpers of tests/test_gemm.py and tests/test_dense.py (and the latter's sharding subprocess): exact float64
-decoding of QuantizedArrays straight from NUMERICS.md, float64 reference products, the error bounds the products are
-compared with, and the dense layer's operand reproduction and check.
+decoding of QuantizedArrays straight from docs/numerics.md, float64 reference products, the error bounds the products
+are compared with, and the dense layer's operand reproduction and check.
 
 Error bound of a block-scaled GEMM (`gemm_bound`; Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed.,
 section 3.1 and eq. 3.5). u = 2**-24 (fp32 unit roundoff), gamma_n = n u / (1 - n u); |theta_n| <= gamma_n stands for
@@ -50,7 +50,7 @@ from jax_fp4 import MXFP8, NVFP4
 U = 2.0**-24  # fp32 unit roundoff
 U_BF16 = 2.0**-8  # bfloat16 unit roundoff (8 significant bits)
 SLACK = 2.0**-40  # all float64 steps of the reference, relative to A (see the module docstring)
-INV_2688 = np.float32(1.0 / 2688.0)  # fp32(1/(6 * 448)), the NVFP4 decode-scale factor (NUMERICS.md section 1)
+INV_2688 = np.float32(1.0 / 2688.0)  # fp32(1/(6 * 448)), the NVFP4 decode-scale factor (docs/numerics.md section 1)
 
 
 def gamma(n: int, u: float = U) -> float:
@@ -64,7 +64,8 @@ def f64(a) -> np.ndarray:
 
 
 def hadamard() -> np.ndarray:
-    """H = diag(s) H16 / 4 (NUMERICS.md: Sylvester H16, s_i = -1 where bit i of 0xD7E8 is set), float64 [16, 16]."""
+    """H = diag(s) H16 / 4 (docs/numerics.md: Sylvester H16, s_i = -1 where bit i of 0xD7E8 is set), float64
+    [16, 16]."""
     i = np.arange(16)
     h16 = np.where(np.array([[bin(a & b).count("1") % 2 for b in i] for a in i]), -1.0, 1.0)
     s = np.array([-1.0 if (0xD7E8 >> k) & 1 else 1.0 for k in i])
@@ -72,7 +73,7 @@ def hadamard() -> np.ndarray:
 
 
 def decode(q, *, inverse_rht: bool = True) -> np.ndarray:
-    """Exact float64 values of a QuantizedArray (compact or swizzled) in q.shape, straight from NUMERICS.md.
+    """Exact float64 values of a QuantizedArray (compact or swizzled) in q.shape, straight from docs/numerics.md.
 
     Independent of `jax_fp4.dequantize`: ml_dtypes decodes the E2M1/E4M3/E5M2/E8M0 codes and the arithmetic is fp64
     (exact except one rounding of NVFP4's value * s_b * amax * fp32(1/2688) and 1x64's division, relative 2**-53).

@@ -1,5 +1,5 @@
 """Host build of cpp/common/e2m1.cuh (the kernels' E2M1 encoder) checked against the threshold definitions of
-NUMERICS.md: RNE on every fp32 bit pattern, stochastic rounding on every random byte for 3 * 2^20 patterns, and the
+docs/numerics.md: RNE on every fp32 bit pattern, stochastic rounding on every random byte for 3 * 2^20 patterns, and the
 8-value packer on random inputs (tests/cpp/e2m1_check.cc). Needs a C++17 compiler; skipped without one."""
 
 import pathlib

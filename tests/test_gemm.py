@@ -311,7 +311,8 @@ def test_mxfp8_against_jax_nn_scaled_dot_general(rng):
 
 
 def _e8m0_round_up(v: np.ndarray) -> np.ndarray:
-    """NUMERICS.md section 2 (and jax's cast_to_e8m0_with_rounding_up): exponent bits, +1 for a non-zero mantissa."""
+    """docs/numerics.md section 2 (and jax's cast_to_e8m0_with_rounding_up): exponent bits, +1 for a non-zero
+    mantissa."""
     b = v.astype(np.float32).view(np.uint32)
     e, m = b >> 23, b & 0x7FFFFF
     up = (m > 0) & (e != 0xFE) & ~((e == 0) & (m <= 0x400000))
@@ -319,8 +320,8 @@ def _e8m0_round_up(v: np.ndarray) -> np.ndarray:
 
 
 def test_mxfp8_codes_equal_jax_nn_quantize_where_the_scale_rules_coincide(rng):
-    """jax.nn's MXFP8 quantize divides the block amax by 448, ours multiplies by fp32(1/448) (NUMERICS.md); on blocks
-    where both give the same E8M0 exponent (computed here in numpy), scales and E4M3 codes must be identical."""
+    """jax.nn's MXFP8 quantize divides the block amax by 448, ours multiplies by fp32(1/448) (docs/numerics.md); on
+    blocks where both give the same E8M0 exponent (computed here in numpy), scales and E4M3 codes must be identical."""
     try:
         from jax._src.cudnn.scaled_matmul_stablehlo import quantize as jax_nn_quantize
     except ImportError as e:  # private API

@@ -314,7 +314,7 @@ def test_vmap():
 
 @pytest.mark.parametrize("axis", [-1, 0])
 def test_bf16_subnormal_inputs_are_kept(axis):
-    """bfloat16 subnormals are values, not zeros (NUMERICS.md: IEEE, subnormals kept), on XLA:CPU too.
+    """bfloat16 subnormals are values, not zeros (docs/numerics.md: IEEE, subnormals kept), on XLA:CPU too.
 
     Each group's amax is bf16 max, so a block holding only the largest bf16 subnormal (0x007F, about 1.17e-38) gets
     E4M3 scale code 0 and the multiplier FLT_MAX: 1.17e-38 * FLT_MAX = 3.96 -> E2M1 4.0 (code 6; 0xE in group 1,

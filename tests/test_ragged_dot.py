@@ -4,7 +4,7 @@
 * quantized recipes: y, dx and dw under jit(vjp) against float64 products of the same quantized operands, group by
   group. The operands are reproduced with the documented calls (key -> split(key, 3); x and dy through
   `grouped_quantize_rowwise_columnwise` over the token groups, w per expert through
-  `quantize_rowwise_columnwise` with split(kw, G)[g]) and decoded exactly (`_gemm_util.decode`, NUMERICS.md). The
+  `quantize_rowwise_columnwise` with split(kw, G)[g]) and decoded exactly (`_gemm_util.decode`, docs/numerics.md). The
   bound is `_gemm_util`'s (Higham eq. 3.5: gamma over the contracted length, plus the tensor scales' two roundings
   per NVFP4 operand, plus the bfloat16 cast), nothing tuned. Contracted lengths: K (fprop), N (dgrad), M_g (wgrad
   of group g): an implementation that adds masked-out zero terms (XLA:CPU expands the ragged operand per group)

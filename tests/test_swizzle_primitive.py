@@ -1,6 +1,6 @@
 """`jf4_swizzle` / `jf4_unswizzle` and the public `swizzle_scales` / `unswizzle_scales` (CPU: the reference lowering).
 
-* swizzle == `jax_fp4.reference.layout.swizzle` (and an explicit loop over NUMERICS.md's index formula) per matrix,
+* swizzle == `jax_fp4.reference.layout.swizzle` (and an explicit loop over docs/numerics.md's index formula) per matrix,
   with leading batch dimensions, padding rows / columns (zeros), empty matrices;
 * unswizzle(swizzle(s)) == s and swizzle(unswizzle(sw)) == sw (exact inverses) for every 8-bit dtype;
 * public swizzle_scales / unswizzle_scales == `jax_fp4.reference.swizzle_scales` / `unswizzle_scales` for every
@@ -36,7 +36,7 @@ SHAPES = [(3, 2), (128, 4), (130, 5), (320, 8), (64, 70), (1, 1), (256, 68), (0,
 
 
 def _loop_swizzle(s):
-    """NUMERICS.md section 3 index formula, element by element (independent of the reshape/transpose reference)."""
+    """docs/numerics.md section 3 index formula, element by element (independent of the reshape/transpose reference)."""
     r, c = s.shape
     rp, cp = padded_shape(r, c)
     flat = np.zeros(rp * cp, s.dtype)

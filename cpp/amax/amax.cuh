@@ -1,4 +1,4 @@
-// Tensor amax: fmax-reduction of |x| over a whole tensor (NUMERICS.md section 1, "Tensor scale").
+// Tensor amax: fmax-reduction of |x| over a whole tensor (docs/numerics.md section 1, "Tensor scale").
 //
 // Bit-exact by construction: the reduction runs on integer bit patterns. |x| is the pattern with the sign bit
 // cleared; a NaN pattern is replaced by +0 (fmaxf ignores NaN), and non-negative IEEE values order like their

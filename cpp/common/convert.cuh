@@ -1,4 +1,4 @@
-// Conversions and scale arithmetic of the numeric contract (../shared/NUMERICS.md), as device functions.
+// Conversions and scale arithmetic of the numeric contract (docs/numerics.md), as device functions.
 //
 // Every function here is bit-exact to jax_fp4.reference:
 //  * fp32 products / quotients use the IEEE intrinsics (__fmul_rn, __frcp_rn, __fdiv_rn): no contraction into FMAs,

@@ -1,4 +1,4 @@
-// E2M1 encoding of 16 scaled values into 8 packed bytes (NUMERICS.md: NVFP4 element encode, stochastic rounding).
+// E2M1 encoding of 16 scaled values into 8 packed bytes (docs/numerics.md: NVFP4 element encode, stochastic rounding).
 //
 // Hopper has no E2M1 instruction, and the encode is the hot loop of every NVFP4 quantizer, which is bound by the
 // integer ALU pipe (ncu, session 16: 76 % of its peak for NVFP4 row+col), so the sm_90 path does its rounding in the

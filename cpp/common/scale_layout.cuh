@@ -1,4 +1,4 @@
-// The GEMM-swizzled block-scale layout's index formula (NUMERICS.md section 3), shared by the kernels that read or
+// The GEMM-swizzled block-scale layout's index formula (docs/numerics.md section 3), shared by the kernels that read or
 // write swizzled scales (cpp/dequantize/, cpp/swizzle/).
 #pragma once
 

@@ -1,4 +1,4 @@
-// The dequantize kernels' launch arguments and the pieces every dequantize kernel shares (NUMERICS.md sections 1-3):
+// The dequantize kernels' launch arguments and the pieces every dequantize kernel shares (docs/numerics.md s1-3):
 // option bits, tile constants, the scale index (compact or GEMM-swizzled) and the inverse RHT of one 16-chunk.
 #pragma once
 
@@ -63,7 +63,7 @@ using cvt::kRhtSignMask;
 using cvt::RhtButterfly16;
 using cvt::SubFtz;
 
-// Inverse RHT of one 16-chunk in fp32 (NUMERICS.md section 2): flush, butterfly (flushed), * 0.25 (flushed), then
+// Inverse RHT of one 16-chunk in fp32 (docs/numerics.md section 1): flush, butterfly (flushed), * 0.25 (flushed), then
 // the signs. The flushes ride on the ftz adds (the first stage flushes its inputs); the last step multiplies by
 // -0.25 where the sign flips (RN and the flush are sign-symmetric) and flushes with an ftz add of -0 (x + -0 == x,
 // -0 + -0 == -0). The product is not taken with mul.ftz: an exact product just below FLT_MIN that rounds up to

@@ -1,4 +1,4 @@
-// Element decoders shared by the dequantize kernels and the quantize kernels' exact-operand output (NUMERICS.md
+// Element decoders shared by the dequantize kernels and the quantize kernels' exact-operand output (docs/numerics.md
 // sections 1-3): E2M1 / E4M3 / E5M2 codes and E8M0 scales to exact fp32, and fp32 to the output dtypes' bits with
 // the reference's rounding (RNE) and canonical NaN.
 #pragma once

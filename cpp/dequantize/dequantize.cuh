@@ -1,4 +1,4 @@
-// Block-scaled -> float dequantization (NUMERICS.md sections 1-3), bit-exact to jax_fp4.reference.
+// Block-scaled -> float dequantization (docs/numerics.md sections 1-3), bit-exact to jax_fp4.reference.
 //
 // The stored data is viewed as [P, R, C] (NVFP4: the rowwise layout, block axis C last; MXFP8: x's layout with the
 // blocks along C (rowwise) or along R (columnwise)); its rows are the P * R flattened rows. The unit of work is a

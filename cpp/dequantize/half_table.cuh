@@ -1,4 +1,4 @@
-// NVFP4 dequantize to 16-bit outputs by table lookup (NUMERICS.md sections 1-3): within one 16-block every output is
+// NVFP4 dequantize to 16-bit outputs by table lookup (docs/numerics.md s1-3): within one 16-block every output is
 // a function of its code's magnitude (8 values) and sign, because value(q) * m rounds sign-symmetrically. A block
 // therefore rounds its 8 magnitudes once into a byte-split table, and each code looks up its output's low and high
 // bytes with one byte permute each (selector: the codes' magnitude bits); the code's sign flips bit 15.

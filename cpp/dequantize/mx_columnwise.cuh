@@ -1,4 +1,4 @@
-// MXFP8 columnwise data (blocks of 32 along R) with GEMM-swizzled scales -> f32 / bf16 / f16 (NUMERICS.md sections
+// MXFP8 columnwise data (blocks of 32 along R) with GEMM-swizzled scales -> f32 / bf16 / f16 (docs/numerics.md sections
 // 1 and 3), bit-exact to jax_fp4.reference.
 //
 // The swizzled scale of element (p, r, c) is S[p * C + c, r / 32] of the padded [Rp, Cp] matrix: the 16 scales of a

@@ -1,5 +1,5 @@
 // NVFP4 dequantize with kTransposeOut (the block axis is not x's last axis): out[p] = stored[p].T, [C, R], for the
-// 1D / 2D, RHT and 1x64 variants, to f32 / bf16 / f16, compact or swizzled scales (NUMERICS.md sections 1-3).
+// 1D / 2D, RHT and 1x64 variants, to f32 / bf16 / f16, compact or swizzled scales (docs/numerics.md sections 1-3).
 //
 // A 256-thread block owns a tile of kTR = 128 stored rows x kTC = 64 stored columns. Thread t decodes segment
 // cg = t % 4 (columns 16 * cg ...) of the stored rows 2j and 2j + 1, j = t / 4: a warp's 8-byte loads cover 8 whole

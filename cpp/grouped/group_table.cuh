@@ -1,4 +1,4 @@
-// Static tile scheduling of grouped (MoE) kernels (NUMERICS.md section 4): one persistent launch for all groups.
+// Static tile scheduling of grouped (MoE) kernels (docs/numerics.md section 4): one persistent launch for all groups.
 //
 // Every thread block first builds the group table in shared memory from the device-resident group dims (nothing is
 // copied to the host, so the handlers are CUDA-graph safe): clamped dims, element offsets (an exclusive scan of

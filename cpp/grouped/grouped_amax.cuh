@@ -1,4 +1,4 @@
-// Per-group NVFP4 tensor amax of a grouped buffer (NUMERICS.md sections 1 and 4), exactly as
+// Per-group NVFP4 tensor amax of a grouped buffer (docs/numerics.md sections 1 and 4), exactly as
 // jax_fp4.reference.grouped computes it before the quantize: the fmax-reduction of |y| over every 16-block of the
 // group's internal (oriented) order, y after the RHT for RHT formats.
 //

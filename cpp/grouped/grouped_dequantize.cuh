@@ -1,5 +1,5 @@
 // Grouped (MoE) dequantize: every group of one orientation's grouped data + scales back to f32 / bf16 / f16 in ONE
-// persistent launch (NUMERICS.md section 4), bit-exact to jax_fp4.reference.grouped.dequantize_groups.
+// persistent launch (docs/numerics.md section 4), bit-exact to jax_fp4.reference.grouped.dequantize_groups.
 //
 // Scheduling as grouped_quantize.cuh (group_table.cuh), with the output tail (positions past the last group) zeroed:
 //  * Tile path (aligned group, 16-aligned offset, inside the buffer): the single-tensor decode routine

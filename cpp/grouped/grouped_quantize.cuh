@@ -1,4 +1,4 @@
-// Grouped (MoE) quantize: N groups x_g [M_g, K_g] of one buffer in ONE persistent launch (NUMERICS.md section 4),
+// Grouped (MoE) quantize: N groups x_g [M_g, K_g] of one buffer in ONE persistent launch (docs/numerics.md section 4),
 // bit-exact to jax_fp4.reference.grouped.quantize_groups.
 //
 // Scheduling (group_table.cuh): each group contributes work units, plus a tail pseudo-group that zero-fills the

@@ -1,4 +1,4 @@
-// Rowwise + columnwise block-scaled quantization of x[P, M, K] from one read (NUMERICS.md sections 1-3).
+// Rowwise + columnwise block-scaled quantization of x[P, M, K] from one read (docs/numerics.md sections 1-3).
 //
 // One thread block owns a 64x64 tile of one x[p] (256 threads). Thread t loads the 1x16 row segment
 // (row t/4, columns 16*(t%4)...) with vector loads and keeps it in registers for the rowwise output; the tile is

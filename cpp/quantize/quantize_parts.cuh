@@ -1,6 +1,6 @@
 // Building blocks of the quantize kernels (quantize.cuh, grouped/grouped_quantize.cuh):
 // the kernel arguments, per-segment encoders and the rowwise / columnwise steps of one 64x64 tile
-// (NUMERICS.md sections 1-3). A "segment" is 16 consecutive elements of a row (rowwise) or of a column (columnwise) of
+// (docs/numerics.md s1-3). A "segment" is 16 consecutive elements of a row (rowwise) or of a column (columnwise) of
 // one tile, held by one thread in registers as fp32.
 #pragma once
 

@@ -1,4 +1,4 @@
-// GEMM-swizzled block-scale layout (NUMERICS.md section 3): compact S[rows, cols] <-> padded, swizzled [Rp, Cp].
+// GEMM-swizzled block-scale layout (docs/numerics.md section 3): compact S[rows, cols] <-> padded, swizzled [Rp, Cp].
 //
 // Rp = round_up(rows, 128), Cp = round_up(cols, 4). The padded matrix is cut into 128x4 tiles of 512 contiguous
 // bytes (tiles in row-major order); inside a tile, S[i, j] sits at (i % 32) * 16 + ((i % 128) / 32) * 4 + (j % 4).

@@ -1,4 +1,4 @@
-"""Pure-jnp, bit-exact reference of the jax_fp4 numeric contract (NUMERICS.md).
+"""Pure-jnp, bit-exact reference of the jax_fp4 numeric contract (docs/numerics.md).
 
 It is public (users, tests and benchmarks import it) and it is the default lowering of every primitive, so CPU
 results are the GPU bits. Everything here is jittable and vmappable.

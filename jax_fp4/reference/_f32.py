@@ -1,7 +1,7 @@
 """Exact IEEE-754 arithmetic on fp32 bit patterns, independent of the platform's denormal mode.
 
 XLA:CPU runs fp32 arithmetic with flush-to-zero / denormals-are-zero, while the CUDA kernels keep subnormals.
-NUMERICS.md asks for IEEE results (RNE, subnormals kept) in the scale computations, so the reference does every
+docs/numerics.md asks for IEEE results (RNE, subnormals kept) in the scale computations, so the reference does every
 product that can meet a subnormal operand or result with the integer routines below. They work on uint32 bit
 patterns only (no 64-bit types, so they run without `jax_enable_x64`), are elementwise and jittable.
 
@@ -31,7 +31,7 @@ def bits(x) -> jnp.ndarray:
 def widen_bits(x) -> jnp.ndarray:
     """uint32 fp32 bit pattern of a bfloat16 / float16 / float32 array, widened exactly with integer operations.
 
-    NUMERICS.md and the kernels keep subnormals, while XLA:CPU has been seen to drop bfloat16 subnormals (its
+    docs/numerics.md and the kernels keep subnormals, while XLA:CPU has been seen to drop bfloat16 subnormals (its
     bfloat16 gather in the grouped reference, jax 0.11.2 / 0.12; see `grouped._take`). The widening itself is done
     without float operations so that it cannot depend on the platform's denormal mode either: bfloat16 is the upper
     half of a float32, and float16 subnormals are fp32 normals. Other dtypes go through `astype(float32)`.

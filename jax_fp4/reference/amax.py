@@ -1,4 +1,4 @@
-"""Tensor amax: the fmax-reduction of |x| (NUMERICS.md section 1, "Tensor scale").
+"""Tensor amax: the fmax-reduction of |x| (docs/numerics.md section 1, "Tensor scale").
 
 `fmax` is CUDA's `fmaxf`: a NaN operand is ignored, so NaNs never reach the amax. The reduction works on the
 fp32 bit patterns (non-negative fp32 values order like their bits as unsigned integers), so it is exact and

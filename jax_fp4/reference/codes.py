@@ -1,4 +1,4 @@
-"""Format codes <-> JAX arrays, and code -> value tables (NUMERICS.md sections 1-2).
+"""Format codes <-> JAX arrays, and code -> value tables (docs/numerics.md sections 1-2).
 
 Codes are carried as uint32 inside the reference and stored in the formats' own dtypes:
 float4_e2m1fn (E2M1 data), float8_e4m3fn / float8_e5m2 (MXFP8 data, NVFP4 scales), float8_e8m0fnu (MX scales).

@@ -1,4 +1,4 @@
-"""Grouped (MoE) quantize / dequantize: the pure-jnp, bit-exact reference of NUMERICS.md section 4.
+"""Grouped (MoE) quantize / dequantize: the pure-jnp, bit-exact reference of docs/numerics.md section 4.
 
 N matrices x_g [M_g, K_g] of one dtype live in one contiguous buffer; group g starts at flat element offset
 offsets[g] = sum_{i<g} M_i * K_i and is stored row-major. Four shape representations (TE `common/common.h`):
@@ -282,7 +282,7 @@ def _take(src, idx, limit):
     """src[idx] for 0 <= idx < limit, else 0 (src extended by one zero; nothing out of bounds).
 
     Floating-point sources are gathered as their unsigned-integer bit patterns: XLA:CPU's gather of bfloat16
-    (jax 0.11.2 and 0.12) returned +0 for positive subnormals, which NUMERICS.md keeps.
+    (jax 0.11.2 and 0.12) returned +0 for positive subnormals, which docs/numerics.md keeps.
     """
     src = jnp.asarray(src)
     if jnp.issubdtype(src.dtype, jnp.floating):

@@ -1,4 +1,4 @@
-"""Scale layouts: compact <-> padded <-> GEMM-swizzled (NUMERICS.md section 3).
+"""Scale layouts: compact <-> padded <-> GEMM-swizzled (docs/numerics.md section 3).
 
 The swizzled layout is cuBLAS/cuDNN's block-scale layout: the padded scale matrix S[R, C] (R % 128 == 0,
 C % 4 == 0) is cut into 128x4 tiles of 512 contiguous bytes, tiles in row-major order, and inside a tile the
@@ -29,7 +29,7 @@ def _from_bytes(b, dtype):
 def pad_scales(s):
     """Pad a 2-D scale matrix [R, C] to [round_up(R, 128), round_up(C, 4)] with zero bytes.
 
-    Zero bytes are E4M3 0.0 and E8M0 code 0 (2**-127), the pad values of NUMERICS.md section 3.
+    Zero bytes are E4M3 0.0 and E8M0 code 0 (2**-127), the pad values of docs/numerics.md section 3.
     """
     if s.ndim != 2:
         raise ValueError(f"pad_scales expects a 2-D scale matrix, got shape {s.shape}")

@@ -1,4 +1,4 @@
-"""MXFP8 quantize / dequantize, bit-exact to NUMERICS.md section 2 (TE `quantize_mxfp8.cuh`,
+"""MXFP8 quantize / dequantize, bit-exact to docs/numerics.md section 2 (TE `quantize_mxfp8.cuh`,
 `ptx_arch_spec.cuh float_to_e8m0`). Data oriented with the block axis last, as in `nvfp4`."""
 
 from __future__ import annotations

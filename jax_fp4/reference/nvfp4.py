@@ -1,4 +1,4 @@
-"""NVFP4 quantize / dequantize, bit-exact to NUMERICS.md section 1 (TE `core_nvfp4.cuh`, `dequantize_nvfp4.cuh`).
+"""NVFP4 quantize / dequantize, bit-exact to docs/numerics.md section 1 (TE `core_nvfp4.cuh`, `dequantize_nvfp4.cuh`).
 
 All functions take the data already oriented with the block axis last (see `jax_fp4.formats`); `quantize` and
 `dequantize` in `jax_fp4.reference` do the orientation. Every product that can meet a subnormal goes through the

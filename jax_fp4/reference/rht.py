@@ -1,9 +1,9 @@
-"""Random Hadamard transform (RHT) of 16-chunks (NUMERICS.md section 1, TE `jax/quantize/hadamard.py`).
+"""Random Hadamard transform (RHT) of 16-chunks (docs/numerics.md section 1, TE `jax/quantize/hadamard.py`).
 
 H = diag(s) @ H16 / 4 with H16 the Sylvester Hadamard matrix of order 16 and the fixed sign vector s given by the
 bitmask 0xD7E8 (bit i set <=> s_i = -1). Each contiguous 16-chunk v along the block axis becomes v @ H.
 
-Arithmetic order (our definition; NUMERICS.md leaves it open): signs applied first (exact), then the radix-2
+Arithmetic order (docs/numerics.md section 1, RHT): signs applied first (exact), then the radix-2
 butterfly in fp32 over strides 1, 2, 4, 8 (pairs (a, b) -> (a + b, a - b)), then * 0.25, then RNE to bfloat16.
 Subnormal fp32 inputs and partial results are flushed to signed zero at every step, so the result is the same on
 XLA:CPU (which flushes) and on CUDA (where the kernel uses .ftz adds). H is orthogonal, so the inverse is

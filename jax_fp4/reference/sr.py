@@ -1,4 +1,4 @@
-"""Stochastic rounding to E2M1 (NUMERICS.md section 1, TE PR #3281) and its random bits.
+"""Stochastic rounding to E2M1 (docs/numerics.md section 1, TE PR #3281) and its random bits.
 
 Random bits. The caller's JAX PRNG key is turned into a Philox-4x32-10 key: (k0, k1) = jax.random.bits(key, (2,),
 uint32). The element at linear index i of the data (block axis last, row-major) takes byte (i % 16) of the

@@ -1,4 +1,4 @@
-// Host check of cpp/common/e2m1.cuh against the threshold definitions of NUMERICS.md (E2M1 RNE and stochastic
+// Host check of cpp/common/e2m1.cuh against the threshold definitions of docs/numerics.md (E2M1 RNE and stochastic
 // rounding, as in jax_fp4/reference). Built and run by tests/test_e2m1_exhaustive.py; prints "ok N" or the first
 // mismatches and exits 1.
 #include <cmath>

@@ -65,7 +65,7 @@ def test_convert_matches_ml_dtypes(rng, name):
 
 def test_special_values_vs_ml_dtypes():
     """Where the hardware (satfinite) rules and ml_dtypes' casts part (recorded, not a reference error):
-      NaN -> E2M1: reference +6 (0x7, NUMERICS.md s1); ml_dtypes / XLA give 0x8 (-0).
+      NaN -> E2M1: reference +6 (0x7, docs/numerics.md s1); ml_dtypes / XLA give 0x8 (-0).
       NaN -> E5M2: reference 0x7F (CUDA's canonical NaN); ml_dtypes / XLA give 0x7E (also a NaN).
       +-inf -> E4M3 / E5M2 / E2M1: reference saturates to +-max; ml_dtypes gives NaN (e4m3fn), inf (e5m2).
     """
@@ -154,7 +154,7 @@ def test_mxfp8_agrees_with_jax_nn_on_normal_data(rng, element):
 
 
 def _e8m0_np(v):
-    """The E8M0 rule of NUMERICS.md s2 in numpy (v >= 0 finite)."""
+    """The E8M0 rule of docs/numerics.md s2 in numpy (v >= 0 finite)."""
     b = v.view(np.uint32)
     e, m = (b >> 23) & 0xFF, b & 0x7FFFFF
     return e + ((m > 0) & (e != 0xFE) & ~((e == 0) & (m <= 0x400000)))
@@ -195,7 +195,7 @@ JNN_DIFFERENCES = [
 
 
 def test_mxfp8_differences_from_jax_nn_recorded():
-    """Where jax.nn's quantize (on CPU, jax 0.10.2) departs from NUMERICS.md s2. Our codes are asserted always;
+    """Where jax.nn's quantize (on CPU, jax 0.10.2) departs from docs/numerics.md s2. Our codes are asserted always;
     jax.nn's are asserted against the recorded behaviour only on jax 0.10.x (they document it, not a contract)."""
     x = np.zeros((len(JNN_DIFFERENCES), 32), np.float32)
     for i, (_, vals, _, _) in enumerate(JNN_DIFFERENCES):
@@ -218,7 +218,7 @@ def test_nvfp4_vs_jax_nn_with_unit_tensor_scale(rng):
     0.53333336 > 8/15, so 4.6875 * fl(1/1.875) = 2.5000002 -> 3 (0x5) and 2.34375 * it = 1.2500001 -> 1.5 (0x3),
     whereas the exact quotients 2.5 and 1.25 are ties -> 2 (0x4) and 1 (0x2) (numpy below). jax.nn matches us
     because XLA:CPU compiles x / broadcast(s) as x * broadcast(1/s): an IEEE-dividing implementation of the
-    jax.nn recipe (or another backend) would differ from NUMERICS.md at such ties."""
+    jax.nn recipe (or another backend) would differ from docs/numerics.md at such ties."""
     x = (rng.standard_normal((64, 256)) * 10.0 ** rng.uniform(-2, 2, (64, 1))).astype(np.float32)
     x[0, 0] = 2688.0
     x[1, :16] = 0

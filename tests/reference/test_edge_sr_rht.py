@@ -180,7 +180,7 @@ def test_sr_quantize_end_to_end(rng, axis):
 
 
 # ---- random Hadamard transform ------------------------------------------------------------------------------
-# NUMERICS.md s1: s = [+,+,+,-,+,-,-,-,-,-,-,+,-,+,-,-] (bitmask 0xD7E8), H = diag(s) @ H16 / 4.
+# docs/numerics.md s1: s = [+,+,+,-,+,-,-,-,-,-,-,+,-,+,-,-] (bitmask 0xD7E8), H = diag(s) @ H16 / 4.
 SIGNS = np.array([1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1], np.float64)
 
 
@@ -241,7 +241,7 @@ def test_rht_inverse_recovers_within_bf16_rounding(rng):
 
 
 def test_rht_flushes_subnormals():
-    """Reference choice (rht.py docstring, not stated in NUMERICS.md): fp32 subnormal inputs are flushed to zero
+    """docs/numerics.md section 1 (RHT) and rht.py: fp32 subnormal inputs are flushed to zero
     before the butterfly, so a chunk of subnormals transforms to exact zeros (IEEE would give ~2**-128 values)."""
     y = np.zeros((1, 16), np.float32)
     y[0, :4] = [p2(-127), -p2(-130), p2(-149), 3 * p2(-128)]

@@ -1,4 +1,4 @@
-"""NUMERICS.md section 5, NVFP4 part: the edge table, with every expected code worked out by hand.
+"""docs/numerics.md section 5, NVFP4 part: the edge table, with every expected code worked out by hand.
 
 Notation (all fp32, RNE): r6 = fp32(1/6), c = fp32(1/2688), r448 = fp32(1/448), FM = FLT_MAX.
 Facts used throughout, each checked by hand (and spelled out in numpy float32 in `test_fp32_facts`):
@@ -177,7 +177,7 @@ def test_tensor_with_subnormal_amax():
     e_b = 1/(0.34375 * 2**-128) = 2**133/11 overflows -> min(inf, FM) = FM. Values * FM (exact products):
       2**-127 -> 2 - 2**-23 (> 1.75) -> 2 (0x4); 2**-128 -> 1 - 2**-24 (> 0.75) -> 1 (0x2);
       -3*2**-130 -> -(0.75 - 2**-24) (< 0.75) -> -0.5 (0x9); 2**-149 -> 0; 3*2**-129 -> 1.5 - 2**-23 -> 1.5 (0x3).
-    Dequantize uses amax/2688, not S_dec (NUMERICS.md s1): f = fl(fl(0.34375 * 2**-127) * c) = 11*2**-132 * c =
+    Dequantize uses amax/2688, not S_dec (docs/numerics.md s1): f = fl(fl(0.34375 * 2**-127) * c) = 11*2**-132 * c =
       536.38 * 2**-149 -> 536 * 2**-149, so x_hat[0] = 2 * 536 * 2**-149 = 2**-138.9, not ~2**-127: once S_enc is
       clamped to FLT_MAX (amax < 2688/FLT_MAX = 7.9e-36) quantize and dequantize no longer agree (spec-inherent,
       TE's compute_global_encode_scaling_factor_FP4 + dequantize_nvfp4 behave the same).
@@ -191,7 +191,7 @@ def test_tensor_with_subnormal_amax():
 
 
 def test_block_scale_product_order():
-    """s_b = e4m3(block_amax * (S_enc * r6)) with the product S_enc * r6 formed FIRST (NUMERICS.md s1) — the other
+    """s_b = e4m3(block_amax * (S_enc * r6)) with the product S_enc * r6 formed FIRST (docs/numerics.md s1) — the other
     association rounds differently at an E4M3 tie. amax A = 3 -> S_enc = 2688/3 = 896 exactly.
       P = fl(896 * r6): r6 = 1/6 + 1/(3 * 2**26), so 896 * r6 = 149 + 1/3 + 4.45e-6; in units of ulp(149) = 2**-16
         that is 9786709.625 -> 9786710, P = 9786710 * 2**-16 (= 149.33334).
@@ -289,7 +289,8 @@ EMPTY_FORMATS = [NV, jax_fp4.NVFP4(scaling_2d=True), jax_fp4.NVFP4(rht=True), ja
 @pytest.mark.parametrize("fmt", EMPTY_FORMATS, ids=repr)
 @pytest.mark.parametrize("shape,axis", [((0, 64), -1), ((64, 0), -1), ((0, 64), 0), ((64, 0), 0)])
 def test_empty_tensors(fmt, shape, axis):
-    """Empty inputs are legal (NUMERICS.md s3): empty data and scales of the documented shapes, amax of nothing = 0.
+    """Empty inputs are legal (docs/numerics.md s3): empty data and scales of the documented shapes, amax of
+    nothing = 0.
 
     (2D with a zero-length block axis once raised ZeroDivisionError in nvfp4._tile_amax_2d: reshape(-1, 16, 0).)
     Scale matrix [rows, cols] and its padded/swizzled shape [round_up(rows, 128), round_up(cols, 4)]:

@@ -1,4 +1,4 @@
-"""NUMERICS.md section 5, MXFP8 part: E8M0 codes 0, 1, 0xFD, 0xFE (0xFF), e4m3/e5m2 max values, ties, inf/NaN,
+"""docs/numerics.md section 5, MXFP8 part: E8M0 codes 0, 1, 0xFD, 0xFE (0xFF), e4m3/e5m2 max values, ties, inf/NaN,
 subnormals. Every expected code is worked out by hand below.
 
 Rule (s2): v = block_amax * r where r = fp32(1/max_norm); e = exponent bits of v, +1 when the mantissa is

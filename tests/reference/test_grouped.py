@@ -1,4 +1,4 @@
-"""Grouped (MoE) quantize / dequantize reference (`jax_fp4.reference.grouped`, NUMERICS.md section 4).
+"""Grouped (MoE) quantize / dequantize reference (`jax_fp4.reference.grouped`, docs/numerics.md section 4).
 
 The contract: every group's slices of data / scale (and its amax) equal, bit for bit, the single-tensor reference
 `jax_fp4.reference.quantize` of that group's matrix; grouped_dequantize equals the per-group dequantize. Group sizes

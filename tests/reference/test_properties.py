@@ -123,7 +123,7 @@ def test_nvfp4_2d_rowwise_and_columnwise_are_transposes(rng):
 
 
 def _swizzle_loops(s):
-    """NUMERICS.md s3 written out: pad to [round_up(R,128), round_up(C,4)] with zeros, then flat index of S[i, j]
+    """docs/numerics.md s3 written out: pad to [round_up(R,128), round_up(C,4)] with zeros, then flat index of S[i, j]
     = ((i//128)*(C/4) + j//4)*512 + (i%32)*16 + ((i%128)//32)*4 + j%4."""
     r, c = s.shape
     rp, cp = -(-r // 128) * 128, -(-c // 4) * 4
@@ -202,7 +202,7 @@ def test_shapes_and_dtypes_under_eval_shape(fmt, shape, axis, layout_):
 
 
 def test_mxfp8_columnwise_swizzle_transposes_first(rng):
-    """MXFP8 columnwise scales [M/32, K] are viewed as [K, M/32] before padding/swizzling (NUMERICS.md s3)."""
+    """MXFP8 columnwise scales [M/32, K] are viewed as [K, M/32] before padding/swizzling (docs/numerics.md s3)."""
     x = jnp.asarray(_data(rng, (64, 8)))
     q = quantize(x, MX4, axis=0)
     comp = codes_of(q.scale)  # [2, 8]

@@ -1,4 +1,4 @@
-"""`jf4_dequantize`: NVFP4 / MXFP8 -> float32 / bfloat16 / float16 (NUMERICS.md sections 1-3).
+"""`jf4_dequantize`: NVFP4 / MXFP8 -> float32 / bfloat16 / float16 (docs/numerics.md sections 1-3).
 
 Operands (`dequantize_array` views a QuantizedArray as [P, R, C]):
   data: NVFP4 float4_e2m1fn [P, R, C] (the stored layout, block axis C; packed two per byte on GPU, even index in

@@ -1,4 +1,4 @@
-"""`jf4_grouped_quantize` / `jf4_grouped_dequantize`: grouped (MoE) block-scaled quantization (NUMERICS.md s4).
+"""`jf4_grouped_quantize` / `jf4_grouped_dequantize`: grouped (MoE) block-scaled quantization (docs/numerics.md s4).
 
 N tensors x_g [M_g, K_g] of one dtype live in one contiguous buffer, group g at flat element offset
 offsets[g] = sum_{i<g} M_i K_i, row-major; the representation (`reference.grouped.Representation`) says which

@@ -1,4 +1,4 @@
-"""`jf4_rht_amax`: the tensor amax of an NVFP4 RHT operand, taken after the transform (NUMERICS.md section 1).
+"""`jf4_rht_amax`: the tensor amax of an NVFP4 RHT operand, taken after the transform (docs/numerics.md section 1).
 
 Operand x: bfloat16/float16/float32[P, M, K]. `orientation` "row" transforms 16-chunks along K (rowwise), "col"
 16-chunks along M (columnwise, the wgrad operand). Result: float32[P], the fmax of |RHT(x[p])| (bf16-rounded

@@ -1,4 +1,5 @@
-"""`jf4_swizzle` / `jf4_unswizzle`: compact block-scale matrices <-> the padded GEMM-swizzled layout (NUMERICS.md s3).
+"""`jf4_swizzle` / `jf4_unswizzle`: compact block-scale matrices <-> the padded GEMM-swizzled layout
+(docs/numerics.md section 3).
 
 Operands and results (leading dimensions, if any, are independent matrices stored one after the other):
   jf4_swizzle:   s: 8-bit [..., rows, cols]  ->  [..., Rp, Cp], same dtype
