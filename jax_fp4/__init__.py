@@ -1,13 +1,19 @@
 """jax_fp4: NVFP4 and MXFP8 block-scaled quantization for JAX, bit-exact to the hardware's numerics.
 
-Public surface:
-  NVFP4, MXFP8                      format specs (frozen, hashable; jax_fp4.formats)
-  quantize, dequantize              -> / <- QuantizedArray (jax_fp4.quantize)
-  swizzle_scales, unswizzle_scales  compact <-> GEMM-swizzled scale layout
-  tensor_amax                       fmax-reduction of |x| (CUDA kernel where available)
-  scaled_dot_general                product of two QuantizedArrays (emulated, or native on sm_100)
-  recipes, dense, dot_general       quantized training: custom-VJP GEMMs following a Recipe
-  reference                         the pure-jnp bit-exact reference of docs/numerics.md
+Public surface (the README's "API" section has the signatures; the numeric contract is docs/numerics.md):
+  NVFP4, MXFP8, Format                  format specs (frozen, hashable; jax_fp4.formats)
+  quantize, quantize_rowwise_columnwise -> QuantizedArray (one orientation, or both from one read)
+  dequantize                            QuantizedArray -> float32 / bfloat16 / float16
+  swizzle_scales, unswizzle_scales      compact <-> GEMM-swizzled scale layout
+  tensor_amax                           fmax-reduction of |x| (CUDA kernel where available)
+  scaled_dot_general                    product of two QuantizedArrays (emulated, or native on sm_100)
+  grouped_quantize, grouped_quantize_rowwise_columnwise, grouped_dequantize
+                                        MoE groups in one call -> / <- GroupedQuantizedArray
+  recipes, dense, dot_general           quantized training: custom-VJP GEMMs following a Recipe
+  ragged_dot                            quantized jax.lax.ragged_dot (MoE expert GEMMs), custom VJP
+  reference                             the pure-jnp bit-exact reference of every op
+  HAS_CUDA_KERNELS, ReferenceOnlyWarning  whether the CUDA extension loaded
+Flax layers: jax_fp4.flax (needs flax).
 """
 
 from jax_fp4 import recipes, reference
