@@ -16,14 +16,14 @@ product of the transformed operands is the product of the originals and no inver
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_fp4._src.primitives.dequantize import dequantize_3d, dequantize_array, dequantize_operands
 from jax_fp4.formats import MXFP8, NVFP4
-from jax_fp4.quantized_array import QuantizedArray
+from jax_fp4.quantize import unswizzle_scales
+from jax_fp4.quantized_array import ExactOperand, QuantizedArray
 from jax_fp4.reference.nvfp4 import INV_ENC_NUMERATOR
 
 __all__ = ["scaled_dot_general", "exact_dot_general", "ExactOperand", "native_gemm_available", "IMPLEMENTATIONS"]
@@ -42,12 +42,6 @@ def native_gemm_available() -> bool:
         return False
 
 
-def _compact(q: QuantizedArray) -> QuantizedArray:
-    from jax_fp4.quantize import unswizzle_scales
-
-    return unswizzle_scales(q)
-
-
 def exact_operand(q: QuantizedArray):
     """(values, tensor_scale): values in q.shape's orientation with dequantize(q) == values * tensor_scale.
 
@@ -56,8 +50,6 @@ def exact_operand(q: QuantizedArray):
     float32 scalar amax * fp32(1/2688) (NVFP4 with a tensor amax) or None. Computed by `jf4_dequantize` (the CUDA
     kernel on GPU, the reference elsewhere; NVFP4 through its block-scales-only mode, an empty amax operand).
     """
-    from jax_fp4._src.primitives.dequantize import dequantize_3d, dequantize_array, dequantize_operands
-
     fmt = q.fmt
     if isinstance(fmt, NVFP4) and fmt.local_1x64:
         return dequantize_array(q, jnp.float32), None
@@ -67,19 +59,6 @@ def exact_operand(q: QuantizedArray):
         v = dequantize_3d(data, scale, None, None, block_scales_only=True, **params).reshape(q.shape)
         return v, q.amax.astype(jnp.float32) * INV_ENC_NUMERATOR
     return dequantize_array(q, jnp.bfloat16), None
-
-
-class ExactOperand(NamedTuple):
-    """A quantized tensor as the emulated GEMM consumes it: dequantize(q) == values * tensor_scale.
-
-    values: bfloat16 in the logical (x's) orientation, value(q) * block scale exactly (NVFP4 1D/2D/RHT with the RHT
-    left in place, MXFP8); tensor_scale: float32 scalar amax * fp32(1/2688) for NVFP4, None for MXFP8. Produced by
-    `exact_operand` from a QuantizedArray, or straight from the quantize pass
-    (`quantize_rowwise_columnwise(..., exact=...)`), which saves the dequantize pass of the emulated GEMM.
-    """
-
-    values: jax.Array
-    tensor_scale: jax.Array | None
 
 
 def _check(a, b, dimension_numbers):
@@ -113,7 +92,7 @@ def _native_ok(a, b, dn) -> bool:
 
 def _native_operand(q: QuantizedArray):
     """[1, rows, K] data and [1, rows, K/bs] scales with the contracting (block) axis last."""
-    q = _compact(q)
+    q = unswizzle_scales(q)
     if isinstance(q.fmt, NVFP4):
         data, scale = q.data, q.scale  # stored block axis last
     else:

@@ -22,8 +22,7 @@ from jax_fp4._src.primitives.rht_amax import rht_amax
 from jax_fp4._src.primitives.swizzle import swizzle as _swizzle
 from jax_fp4._src.primitives.swizzle import unswizzle as _unswizzle
 from jax_fp4.formats import NVFP4, Format
-from jax_fp4.gemm import ExactOperand
-from jax_fp4.quantized_array import SCALE_LAYOUTS, QuantizedArray
+from jax_fp4.quantized_array import SCALE_LAYOUTS, ExactOperand, QuantizedArray
 from jax_fp4.reference import layout
 from jax_fp4.reference.nvfp4 import INV_ENC_NUMERATOR
 from jax_fp4.reference.sr import philox_key

@@ -1,12 +1,16 @@
-"""`QuantizedArray`: the pytree every quantize returns and every dequantize / GEMM consumes."""
+"""`QuantizedArray`: the pytree every quantize returns and every dequantize / GEMM consumes; `ExactOperand`: a
+quantized tensor as the emulated GEMM consumes it."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 
 from jax_fp4.formats import NVFP4, Format
+
+__all__ = ["SCALE_LAYOUTS", "ExactOperand", "QuantizedArray"]
 
 SCALE_LAYOUTS = ("compact", "swizzled")
 
@@ -53,6 +57,19 @@ class QuantizedArray:
     def __repr__(self) -> str:
         return (f"QuantizedArray({self.fmt!r}, shape={self.shape}, axis={self.axis}, data={self.data.dtype}"
                 f"{list(self.data.shape)}, scale={self.scale.dtype}{list(self.scale.shape)} {self.scale_layout})")
+
+
+class ExactOperand(NamedTuple):
+    """A quantized tensor as the emulated GEMM consumes it: dequantize(q) == values * tensor_scale.
+
+    values: bfloat16 in the logical (x's) orientation, value(q) * block scale exactly (NVFP4 1D/2D/RHT with the RHT
+    left in place, MXFP8); tensor_scale: float32 scalar amax * fp32(1/2688) for NVFP4, None for MXFP8. Produced by
+    `exact_operand` from a QuantizedArray, or straight from the quantize pass
+    (`quantize_rowwise_columnwise(..., exact=...)`), which saves the dequantize pass of the emulated GEMM.
+    """
+
+    values: jax.Array
+    tensor_scale: jax.Array | None
 
 
 def _moved_back(data_shape: tuple[int, ...], axis: int) -> tuple[int, ...]:

@@ -66,7 +66,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from jax_fp4._src import ffi as _ffi
-from jax_fp4._src.primitives import partitioning
+from jax_fp4._src.primitives import partitioning_grouped
 from jax_fp4._src.primitives._common import def_impl
 from jax_fp4._src.primitives.quantize import OPT_RHT, OPT_SR, _kind
 from jax_fp4.formats import NVFP4, Format
@@ -227,9 +227,9 @@ def reference_dequantize(data, scale, amax, first_dims, last_dims, *, fmt, axis,
 
 
 # Through the sharding rules (partitioning.py); `local` is the per-shard bind's flag, consumed by the wrapper.
-mlir.register_lowering(grouped_quantize_p, partitioning.lowering(
+mlir.register_lowering(grouped_quantize_p, partitioning_grouped.lowering(
     grouped_quantize_p, mlir.lower_fun(reference_quantize, multiple_results=True), "grouped_quantize"))
-mlir.register_lowering(grouped_dequantize_p, partitioning.lowering(
+mlir.register_lowering(grouped_dequantize_p, partitioning_grouped.lowering(
     grouped_dequantize_p, mlir.lower_fun(reference_dequantize, multiple_results=False), "grouped_dequantize"))
 
 
@@ -321,10 +321,10 @@ def cuda_dequantize(data, scale, amax, first_dims, last_dims, *, fmt, axis, x_sh
 
 
 if _ffi.ensure_registered() and all(t in _ffi.targets() for t in CUDA_TARGETS):
-    mlir.register_lowering(grouped_quantize_p, partitioning.lowering(
+    mlir.register_lowering(grouped_quantize_p, partitioning_grouped.lowering(
         grouped_quantize_p, mlir.lower_fun(cuda_quantize, multiple_results=True), "grouped_quantize"),
         platform="cuda")
-    mlir.register_lowering(grouped_dequantize_p, partitioning.lowering(
+    mlir.register_lowering(grouped_dequantize_p, partitioning_grouped.lowering(
         grouped_dequantize_p, mlir.lower_fun(cuda_dequantize, multiple_results=False), "grouped_dequantize"),
         platform="cuda")
 

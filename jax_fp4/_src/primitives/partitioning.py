@@ -46,40 +46,22 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jax_fp4._src.primitives import partitioning_base
+from jax_fp4._src.primitives.partitioning_base import (
+    axis_names,
+    divisible_spec,
+    mesh_size,
+    shard_index,
+    spec_of,
+    split_factors,
+)
 from jax_fp4.formats import NVFP4
 from jax_fp4.reference import sr
 
 __all__ = ["dequantize_specs", "lowering", "quantize_result_specs", "quantize_x_spec", "swizzle_spec"]
-
-
-def _spec(sharding, ndim):
-    spec = tuple(getattr(sharding, "spec", ())) if sharding is not None else ()
-    return spec + (None,) * (ndim - len(spec))
-
-
-def _size(mesh, ax) -> int:
-    if ax is None:
-        return 1
-    axes = ax if isinstance(ax, tuple) else (ax,)
-    return math.prod(mesh.shape[a] for a in axes)
-
-
-def _divisible(mesh, shape, spec):
-    """spec with every mesh axis dropped whose size does not divide its dimension."""
-    return tuple(ax if ax is None or d % _size(mesh, ax) == 0 else None for d, ax in zip(shape, spec, strict=True))
-
-
-def _names(spec):
-    out = []
-    for ax in spec:
-        if ax is not None:
-            out.extend(ax if isinstance(ax, tuple) else (ax,))
-    return tuple(out)
 
 
 # ---- quantize ---------------------------------------------------------------------------------------------------
@@ -108,7 +90,7 @@ def quantize_x_spec(mesh, shape, spec, row_fmt, col_fmt, scale_layout, dbias):
     P, M, K = shape
     p_ax, m_ax, k_ax = spec
     swz = scale_layout == "swizzled"
-    m_loc, k_loc = M // _size(mesh, m_ax), K // _size(mesh, k_ax)
+    m_loc, k_loc = M // mesh_size(mesh, m_ax), K // mesh_size(mesh, k_ax)
     need_m = math.lcm(_granule(row_fmt, False), _granule(col_fmt, True), 64 if dbias else 1)
     need_k = math.lcm(_granule(row_fmt, True), _granule(col_fmt, False))
     if swz:
@@ -151,29 +133,6 @@ def quantize_result_specs(x_spec, row_fmt, col_fmt, scale_layout, dbias):
     return out
 
 
-def _split(name, n, divisors, devices):
-    """Shardy mappings of an axis of length n and of its divided lengths n / d (d in `divisors`, each dividing the
-    next larger one): {1: mapping of n, d: mapping of n / d}, and the sizes of factors that never span a dimension.
-
-    Compound factors tie the dimensions together, e.g. ("k", 256, {16, 64}) -> {64: "k0", 16: "(k0 k1)",
-    1: "(k0 k1 k2)"}, {"k1": 4, "k2": 16}, so a sharding of x's K propagates to its K/16 scales and K/64 window
-    amaxes. Only when every sharding of the axis fits whole into the major factor (n / max(d) a multiple of the
-    device count, which every product of mesh axes divides); otherwise Shardy would split a mesh axis into sub-axes,
-    which custom_partitioning cannot decode, so the divided dimensions get factors of their own instead."""
-    levels = sorted(set(divisors), reverse=True)
-    if not levels:
-        return {1: name}, {}
-    if devices is None or (n // levels[0]) % devices:
-        return {1: name, **{d: f"{name}_{d}" for d in levels}}, {}
-    parts = [f"{name}0"]
-    maps, sizes = {levels[0]: parts[0]}, {}
-    for i, (coarse, fine) in enumerate(zip(levels, [*levels[1:], 1], strict=True), 1):
-        parts.append(f"{name}{i}")
-        sizes[parts[-1]] = coarse // fine
-        maps[fine] = "(" + " ".join(parts) + ")"
-    return maps, sizes
-
-
 def _divisors(fmt, blocked: bool, compact: bool):
     """The block lengths one orientation's outputs divide an axis of x by (compact scales, 1x64 window amaxes)."""
     if fmt is None or not blocked:
@@ -185,13 +144,13 @@ def _divisors(fmt, blocked: bool, compact: bool):
 
 
 def _quantize_rule(row_fmt, col_fmt, scale_layout, dbias, shape, devices):
-    """Shardy rule: factors p m k of x, split into compound factors where an output holds block counts (see _split);
-    swizzled and placeholder dims get factors of their own. Returns (rule, factor sizes)."""
+    """Shardy rule: factors p m k of x, split into compound factors where an output holds block counts (see
+    split_factors); swizzled and placeholder dims get factors of their own. Returns (rule, factor sizes)."""
     swz = scale_layout == "swizzled"
     _, M, K = shape
     stripes = {64} if dbias and M % 64 == 0 else set()
-    Km, ks = _split("k", K, _divisors(row_fmt, True, not swz), devices)
-    Mm, ms = _split("m", M, _divisors(col_fmt, True, not swz) | stripes, devices)
+    Km, ks = split_factors("k", K, _divisors(row_fmt, True, not swz), devices)
+    Mm, ms = split_factors("m", M, _divisors(col_fmt, True, not swz) | stripes, devices)
     m, k = Mm[1], Km[1]
     outs, z = [], iter(range(100))
 
@@ -214,15 +173,6 @@ def _quantize_rule(row_fmt, col_fmt, scale_layout, dbias, shape, devices):
     return f"p {m} {k}, p, p, q, r -> " + ", ".join(outs), {**ks, **ms}
 
 
-def _shard_index(mesh, ax):
-    """int32 index of this shard along a dim sharded over mesh axes `ax` (None, a name or a tuple of names, major
-    first, as in a PartitionSpec); 0 for an unsharded dim."""
-    idx = jnp.zeros((), jnp.int32)
-    for name in (() if ax is None else ax if isinstance(ax, tuple) else (ax,)):
-        idx = idx * mesh.shape[name] + jax.lax.axis_index(name)
-    return idx
-
-
 def _shard_keys(mesh, x_spec, global_shape, local_shape, key_row, key_col, sr_row, sr_col):
     """The per-shard stream words uint32[8] of the stochastic-rounding orientations (module docstring): the shard's
     offsets (p, m, k) = shard index * local extent, the global (P, M, K); columnwise data is [P, K, M]."""
@@ -235,7 +185,7 @@ def _shard_keys(mesh, x_spec, global_shape, local_shape, key_row, key_col, sr_ro
         if on and local_shape[axis] % 16:  # pragma: no cover - an invariant of quantize_x_spec
             raise AssertionError(f"jf4_quantize: SR shard {list(local_shape)} splits a 16-block of "
                                  f"x{list(global_shape)}")
-    po, mo, ko = (_shard_index(mesh, ax) * n for ax, n in zip(x_spec, local_shape, strict=True))
+    po, mo, ko = (shard_index(mesh, ax) * n for ax, n in zip(x_spec, local_shape, strict=True))
     if sr_row:
         key_row = sr.shard_words(key_row, (po, mo, ko), (P, M, K))
     if sr_col:
@@ -252,7 +202,7 @@ def _quantize_cp(prim, params, avals_in, devices):
         return tuple(prim.bind(*args, local=True, **params))
 
     def specs(mesh, arg_shapes):
-        xs = quantize_x_spec(mesh, arg_shapes[0].shape, _spec(arg_shapes[0].sharding, 3), row_fmt, col_fmt, layout,
+        xs = quantize_x_spec(mesh, arg_shapes[0].shape, spec_of(arg_shapes[0].sharding, 3), row_fmt, col_fmt, layout,
                              dbias)
         return xs, quantize_result_specs(xs, row_fmt, col_fmt, layout, dbias)
 
@@ -289,10 +239,10 @@ def _amax_cp(prim, params, ndim, out_ndim):
         return prim.bind(x, local=True, **params)
 
     def x_spec(mesh, arg_shapes):
-        spec = list(_spec(arg_shapes[0].sharding, ndim))
+        spec = list(spec_of(arg_shapes[0].sharding, ndim))
         if params.get("orientation") is not None:  # RHT 16-chunks must not straddle shards
             axis = 2 if params["orientation"] == "row" else 1
-            if arg_shapes[0].shape[axis] // _size(mesh, spec[axis]) % 16:
+            if arg_shapes[0].shape[axis] // mesh_size(mesh, spec[axis]) % 16:
                 spec[axis] = None
         if out_ndim:
             spec[0] = None  # keep P whole: the result [P] stays replicated
@@ -303,7 +253,7 @@ def _amax_cp(prim, params, ndim, out_ndim):
 
     def part(mesh, arg_shapes, result_shape):
         spec = x_spec(mesh, arg_shapes)
-        axes = _names(spec)
+        axes = axis_names(spec)
 
         def lower(x):
             out = prim.bind(x, local=True, **params)
@@ -322,12 +272,12 @@ def _amax_cp(prim, params, ndim, out_ndim):
 def dequantize_specs(mesh, shape, spec, fmt, scale_layout, mx_columnwise, transpose_out):
     """(data, scale, window amax, out) PartitionSpec tuples for data[P, R, C] sharded as `spec` (see the docstring)."""
     P, R, C = shape
-    p, r, c = _divisible(mesh, shape, spec)
+    p, r, c = divisible_spec(mesh, shape, spec)
     granule = fmt.window_size if isinstance(fmt, NVFP4) and fmt.local_1x64 else fmt.block_size
     if mx_columnwise:
-        r = None if (R // _size(mesh, r)) % granule else r
+        r = None if (R // mesh_size(mesh, r)) % granule else r
     else:
-        c = None if (C // _size(mesh, c)) % granule else c
+        c = None if (C // mesh_size(mesh, c)) % granule else c
     if scale_layout == "swizzled":  # scale matrix [rows (p, x), block counts]: x = C (MXFP8 columnwise) else R
         X = C if mx_columnwise else R
         x = c if mx_columnwise else r
@@ -337,11 +287,11 @@ def dequantize_specs(mesh, shape, spec, fmt, scale_layout, mx_columnwise, transp
             c = None
         if P == 1:
             p = None
-            x = None if (X // _size(mesh, x)) % 128 else x
+            x = None if (X // mesh_size(mesh, x)) % 128 else x
             scale = (x, None)
         else:  # rows of one p are contiguous only while x is whole
             x = None
-            p = None if (P // _size(mesh, p)) * X % 128 else p
+            p = None if (P // mesh_size(mesh, p)) * X % 128 else p
             scale = (p, None)
         r, c = (r, x) if mx_columnwise else (x, c)
     else:
@@ -352,12 +302,12 @@ def dequantize_specs(mesh, shape, spec, fmt, scale_layout, mx_columnwise, transp
 
 def _dequantize_rule(fmt, scale_layout, mx_columnwise, transpose_out, amax_per_p, shape, devices):
     """Shardy rule: data "p r c" with the block axis split into compound factors where the compact scales and the
-    1x64 window amaxes hold block counts (see _split); swizzled dims get factors of their own. Returns (rule,
+    1x64 window amaxes hold block counts (see split_factors); swizzled dims get factors of their own. Returns (rule,
     factor sizes)."""
     compact = scale_layout == "compact"
     _, R, C = shape
-    Rm, rs = _split("r", R, _divisors(fmt, mx_columnwise, compact), devices)
-    Cm, cs = _split("c", C, _divisors(fmt, not mx_columnwise, compact), devices)
+    Rm, rs = split_factors("r", R, _divisors(fmt, mx_columnwise, compact), devices)
+    Cm, cs = split_factors("c", C, _divisors(fmt, not mx_columnwise, compact), devices)
     r, c = Rm[1], Cm[1]
     if not compact:
         scale = "s0 s1"
@@ -381,7 +331,7 @@ def _dequantize_cp(prim, params, avals_in, devices):
         return prim.bind(*args, local=True, **params)
 
     def specs(mesh, arg_shapes):
-        return dequantize_specs(mesh, arg_shapes[0].shape, _spec(arg_shapes[0].sharding, 3), fmt, layout, mx_col,
+        return dequantize_specs(mesh, arg_shapes[0].shape, spec_of(arg_shapes[0].sharding, 3), fmt, layout, mx_col,
                                 transpose)
 
     def infer(mesh, arg_shapes, result_shape):
@@ -410,9 +360,9 @@ def swizzle_spec(mesh, shape, spec, whole_rows: bool):
 
     whole_rows: the compact and padded matrices have the same number of rows (rows % 128 == 0), the condition for
     sharding them at all; then each shard must hold whole 128-row tiles. Columns are always gathered."""
-    spec = list(_divisible(mesh, shape, spec))
+    spec = list(divisible_spec(mesh, shape, spec))
     rows = shape[-2]
-    if not whole_rows or (rows // _size(mesh, spec[-2])) % 128:
+    if not whole_rows or (rows // mesh_size(mesh, spec[-2])) % 128:
         spec[-2] = None
     spec[-1] = None
     return tuple(spec)
@@ -430,13 +380,13 @@ def _swizzle_cp(prim, params, avals_in, avals_out):
 
     def infer(mesh, arg_shapes, result_shape):
         return NamedSharding(mesh, PartitionSpec(*swizzle_spec(mesh, arg_shapes[0].shape,
-                                                               _spec(arg_shapes[0].sharding, nd), whole_rows)))
+                                                               spec_of(arg_shapes[0].sharding, nd), whole_rows)))
 
     def part(mesh, arg_shapes, result_shape):
-        spec = swizzle_spec(mesh, arg_shapes[0].shape, _spec(arg_shapes[0].sharding, nd), whole_rows)
+        spec = swizzle_spec(mesh, arg_shapes[0].shape, spec_of(arg_shapes[0].sharding, nd), whole_rows)
         local = dict(params)
         if "rows" in local:  # jf4_unswizzle: each shard restores its own (whole-tile) rows
-            local["rows"] = params["rows"] // _size(mesh, spec[-2])
+            local["rows"] = params["rows"] // mesh_size(mesh, spec[-2])
         s = NamedSharding(mesh, PartitionSpec(*spec))
 
         def lower(a):
@@ -449,46 +399,22 @@ def _swizzle_cp(prim, params, avals_in, avals_out):
     return f
 
 
-def _single_device(ctx) -> bool:
-    ac = ctx.module_context.axis_context
-    return getattr(ac, "num_devices", 2) == 1 or (hasattr(ac, "device_assignment") and ac.device_assignment is None)
+def _partition(kind):
+    def make(prim, params, avals_in, avals_out, devices):
+        if kind == "quantize":
+            return _quantize_cp(prim, params, avals_in, devices)
+        if kind == "dequantize":
+            return _dequantize_cp(prim, params, avals_in, devices)
+        if kind in ("swizzle", "unswizzle"):
+            return _swizzle_cp(prim, params, avals_in, avals_out)
+        return _amax_cp(prim, params, len(avals_in[0].shape), len(avals_out[0].shape))
 
-
-def _require_devices(prim) -> None:
-    """Make jit pass the device assignment when lowering a jaxpr holding `prim` (as it does for custom_partitioning
-    itself): without it the lowering context has no devices, `_single_device` is true and the sharding rule is
-    skipped (the custom call would then run on gathered operands). Private jax API (jax 0.10-0.12), guarded."""
-    try:
-        from jax._src import dispatch
-        dispatch.prim_requires_devices_during_lowering.add(prim)
-    except (ImportError, AttributeError):  # pragma: no cover - a jax without it
-        pass
+    return make
 
 
 def lowering(prim, inner, kind: str):
-    """A lowering rule for `prim`: `inner` for the per-shard (local=True) bind, else the custom_partitioning call."""
-    _require_devices(prim)
-
-    def rule(ctx, *args, local=False, **params):
-        shape = ctx.avals_in[0].shape
-        if local or not shape or 0 in shape or _single_device(ctx):  # nothing to partition
-            return inner(ctx, *args, **params)
-        devices = getattr(ctx.module_context.axis_context, "num_devices", None)
-        if kind == "quantize":
-            f = _quantize_cp(prim, params, ctx.avals_in, devices)
-        elif kind == "dequantize":
-            f = _dequantize_cp(prim, params, ctx.avals_in, devices)
-        elif kind == "grouped_quantize":
-            from jax_fp4._src.primitives import partitioning_grouped as pg  # noqa: PLC0415 - it imports this module
-            f = pg.grouped_quantize_cp(prim, params, ctx.avals_in, ctx.avals_out, devices)
-        elif kind == "grouped_dequantize":
-            from jax_fp4._src.primitives import partitioning_grouped as pg  # noqa: PLC0415
-            f = pg.grouped_dequantize_cp(prim, params, ctx.avals_in, devices)
-        elif kind in ("swizzle", "unswizzle"):
-            f = _swizzle_cp(prim, params, ctx.avals_in, ctx.avals_out)
-        else:
-            f = _amax_cp(prim, params, len(ctx.avals_in[0].shape), len(ctx.avals_out[0].shape))
-        return mlir.lower_fun(lambda *a: f(*a), multiple_results=prim.multiple_results)(ctx, *args)
-
-    return rule
-
+    """A lowering rule for `prim` (`kind`: "quantize", "dequantize", "swizzle", "unswizzle" or "amax"): `inner` for
+    the per-shard (local=True) bind, else the custom_partitioning call with this module's rule for `kind`."""
+    if kind not in ("quantize", "dequantize", "swizzle", "unswizzle", "amax"):
+        raise ValueError(f"partitioning.lowering: unknown kind {kind!r}")
+    return partitioning_base.lowering(prim, inner, _partition(kind))

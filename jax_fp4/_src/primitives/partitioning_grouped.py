@@ -12,11 +12,12 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_fp4._src.primitives.partitioning import _shard_index, _size, _spec, _split
+from jax_fp4._src.primitives import partitioning_base
+from jax_fp4._src.primitives.partitioning_base import mesh_size, shard_index, spec_of, split_factors
 from jax_fp4.formats import NVFP4
 from jax_fp4.reference.grouped import Representation
 
-__all__ = ["grouped_dequantize_cp", "grouped_k_axis", "grouped_quantize_cp"]
+__all__ = ["grouped_dequantize_cp", "grouped_k_axis", "grouped_quantize_cp", "lowering"]
 
 
 def _grouped_k_granule(params, kind):
@@ -37,7 +38,7 @@ def grouped_k_axis(mesh, shape, spec, granule, col_mx):
     where MXFP8 columnwise scales [R/32, K] are a view of the flat scale buffer."""
     R, K = shape
     k_ax = spec[1]
-    if granule is None or k_ax is None or K % _size(mesh, k_ax) or (K // _size(mesh, k_ax)) % granule:
+    if granule is None or k_ax is None or K % mesh_size(mesh, k_ax) or (K // mesh_size(mesh, k_ax)) % granule:
         return None
     return None if col_mx and R % 32 else k_ax
 
@@ -86,7 +87,7 @@ def grouped_quantize_cp(prim, params, avals_in, avals_out, devices):
         return _grouped_replicated_cp(prim, params, avals_in, [len(a.shape) for a in avals_out])
     R, K = avals_in[0].shape
     orients = ((row_fmt, -1), (col_fmt, 0))
-    Km, ks = _split("k", K, {row_fmt.block_size} if row_fmt is not None else set(), devices)
+    Km, ks = split_factors("k", K, {row_fmt.block_size} if row_fmt is not None else set(), devices)
 
     def views(outs, k):  # [R, k] views of the flat data / scale buffers
         out = []
@@ -104,7 +105,7 @@ def grouped_quantize_cp(prim, params, avals_in, avals_out, devices):
         return views(prim.bind(*args, local=True, **params), K)
 
     def specs(mesh, arg_shapes):
-        k = grouped_k_axis(mesh, (R, K), _spec(arg_shapes[0].sharding, 2), granule, col_fmt is not None)
+        k = grouped_k_axis(mesh, (R, K), spec_of(arg_shapes[0].sharding, 2), granule, col_fmt is not None)
         none, outs = PartitionSpec(None), []
         for fmt, _ in orients:
             outs += [none] * 3 if fmt is None else [PartitionSpec(None, k), PartitionSpec(None, k), none]
@@ -117,7 +118,7 @@ def grouped_quantize_cp(prim, params, avals_in, avals_out, devices):
     def part(mesh, arg_shapes, result_shape):
         k, outs = specs(mesh, arg_shapes)
         rep = NamedSharding(mesh, PartitionSpec(None))
-        s = _size(mesh, k)
+        s = mesh_size(mesh, k)
 
         def lower(x, first_dims, last_dims, key_row, key_col, amax_in):
             outs = prim.bind(x, first_dims, last_dims // s, key_row, key_col, amax_in, local=True, **params)
@@ -163,7 +164,7 @@ def grouped_dequantize_cp(prim, params, avals_in, devices):
         return prim.bind(*args, local=True, **params)
 
     def k_axis(mesh, sharding):
-        return grouped_k_axis(mesh, (R, K), _spec(sharding, 2), granule, axis == 0)
+        return grouped_k_axis(mesh, (R, K), spec_of(sharding, 2), granule, axis == 0)
 
     def infer(mesh, arg_shapes, result_shape):
         return NamedSharding(mesh, PartitionSpec(None, None))
@@ -171,14 +172,14 @@ def grouped_dequantize_cp(prim, params, avals_in, devices):
     def part(mesh, arg_shapes, result_shape):
         k = k_axis(mesh, getattr(result_shape, "sharding", None))
         rep = NamedSharding(mesh, PartitionSpec())
-        s = _size(mesh, k)
+        s = mesh_size(mesh, k)
         kl = K // s
         local = dict(params, x_shape=(R, kl))
 
         def lower(data, scale, amax, first_dims, last_dims):
             if s == 1:
                 return prim.bind(data, scale, amax, first_dims, last_dims, local=True, **params)
-            k0 = _shard_index(mesh, k) * kl
+            k0 = shard_index(mesh, k) * kl
             d, sv = _grouped_views(fmt, axis, R, K)
             bs = 1 if axis == 0 else fmt.block_size
 
@@ -198,3 +199,20 @@ def grouped_dequantize_cp(prim, params, avals_in, devices):
     f.def_partition(partition=part, infer_sharding_from_operands=infer,
                     sharding_rule="d, s, a, n, n -> r k")
     return f
+
+
+def _partition(kind):
+    def make(prim, params, avals_in, avals_out, devices):
+        if kind == "grouped_quantize":
+            return grouped_quantize_cp(prim, params, avals_in, avals_out, devices)
+        return grouped_dequantize_cp(prim, params, avals_in, devices)
+
+    return make
+
+
+def lowering(prim, inner, kind: str):
+    """A lowering rule for a grouped primitive (`kind`: "grouped_quantize" or "grouped_dequantize"): `inner` for the
+    per-shard (local=True) bind, else the custom_partitioning call with this module's rule."""
+    if kind not in ("grouped_quantize", "grouped_dequantize"):
+        raise ValueError(f"partitioning_grouped.lowering: unknown kind {kind!r}")
+    return partitioning_base.lowering(prim, inner, _partition(kind))
