@@ -3,6 +3,9 @@
 * Tests marked `gpu` are skipped (with the reason) unless `jax.default_backend() == "gpu"`.
 * `rng` fixture: a numpy Generator seeded per test from the session seed (env JAX_FP4_SEED, else random; the seed is
   printed in the header, so a failure can be replayed with JAX_FP4_SEED=<seed>).
+* The suite runs in parallel worker processes (pytest-xdist, `-n auto` in pyproject.toml): the controller draws the
+  session seed and hands it to every worker, so each test's inputs depend only on the seed and its id, whichever
+  worker runs it. Workers allocate GPU memory on demand (several processes share one GPU).
 """
 
 from __future__ import annotations
@@ -16,6 +19,24 @@ import numpy as np
 import pytest
 
 SESSION_SEED = int(os.environ.get("JAX_FP4_SEED", secrets.randbits(32)))
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Set before any test module imports jax: XLA's default preallocation (75 % of the GPU per process) would leave
+    # nothing for the other workers.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def pytest_configure(config):
+    global SESSION_SEED
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:  # an xdist worker: the controller's seed
+        SESSION_SEED = int(workerinput["jax_fp4_seed"])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist controller hook: every worker uses the controller's session seed."""
+    node.workerinput["jax_fp4_seed"] = SESSION_SEED
 
 
 def _gpu_backend_reason() -> str | None:
