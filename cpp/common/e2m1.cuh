@@ -1,7 +1,7 @@
 // E2M1 encoding of 16 scaled values into 8 packed bytes (docs/numerics.md: NVFP4 element encode, stochastic rounding).
 //
 // Hopper has no E2M1 instruction, and the encode is the hot loop of every NVFP4 quantizer, which is bound by the
-// integer ALU pipe (ncu, session 16: 76 % of its peak for NVFP4 row+col), so the sm_90 path does its rounding in the
+// integer ALU pipe (ncu: 76 % of its peak for NVFP4 row+col), so the sm_90 path does its rounding in the
 // fp32 adder (FMA pipe) and keeps the ALU work to two instructions a value:
 //   * RNE: on [0, 6] the code is rint(g(a)) with g(a) = min(2a, a + 2, a / 2 + 4), a = |y|: g is linear with a
 //     power-of-two slope on each E2M1 binade ([0, 2) step 0.5, [2, 4) step 1, [4, 6] step 2), maps the grid onto the
@@ -11,7 +11,7 @@
 //     1.5 * 2^23's exponent; NaN / inf sums are larger) by one VIMNMX3 (a sm_90 DPX instruction) and clamped to code 7
 //     by one VIMNMX, which also maps |y| > 6, inf and NaN to 7 (the sign comes from y: NaN products are positive on
 //     the GPU). No clamp is needed before. This replaced clamp + binade (LOP3, VIMNMX, LEA.HI) + FFMA: ALU-pipe
-//     instructions of the NVFP4 row+col tile loop 270 -> 206, total unchanged (tools/dev/kernel_check, session 17).
+//     instructions of the NVFP4 row+col tile loop 270 -> 206, total unchanged (docs/kernels/quantize.md).
 //   * stochastic rounding (TE PR #3281, reference/sr.py) keeps a binade form on c = max(min(y, 6), -6) (min first:
 //     NaN -> +6), a = |c|: e = 2^floor(log2 a) clamped below to 1 (e in {1, 2, 4}), step = e / 2, s = 2 / e,
 //     off = 2 log2(e); t = a + (rand / 256) * step, rounded once (FFMA of the exact product), then floor(t * s) + off

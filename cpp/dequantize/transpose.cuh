@@ -37,36 +37,24 @@ namespace jax_fp4 {
 namespace dequantize {
 
 constexpr int kTR = 128, kTC = 64;
-// Resident blocks per SM (__launch_bounds__: at most 64 registers) and column tiles per band (TilePos). Measured on
-// an H100 (tools/dev/kernel_check/dequantize_check.cu, session 9, then with a persistent grid): 4 blocks beat 5 by 1-3 %,
-// bands of 32 beat column-tile-first order by up to 20 % at 16384x14336.
+// Resident blocks per SM (__launch_bounds__: at most 64 registers) and column tiles per band (TilePos): 4 blocks beat
+// 5 by 1-3 %, bands of 32 beat column-tile-first order by up to 20 % (docs/kernels/dequantize.md).
 constexpr int kTransposeBlocksPerSm = 4, kMaxBand = 32;
 constexpr int kTransposeBlocksPerSm16 = 6;  // one-tile blocks with 16-bit outputs (TransposeBlocksPerSm)
 constexpr int kTilesPerBlock = 2;           // 1x64 with f32 outputs (TileGridPerTile)
 enum TransposeVariant : int { kTransposePlain = 0, kTransposeRht = 1, kTransposeLocal = 2 };
 
 // Grid shape per variant and output width: one block per tile, or kTilesPerBlock tiles a block with the next tile's
-// loads issued before the current tile's decode. Measured on an H100 (dequantize_check.cu, % of a cudaMemcpy at
-// 8192^2 / 16384x4096 / 16384x14336).
-//  * Session 10, against a persistent grid: plain bf16 84.5 / 84.0 / 81.9 -> 85.1 / 84.2 / 85.9, plain f32
-//    87.0 / 86.7 / 84.2 -> 91.9 / 91.4 / 90.3, RHT f32 85.7 / 85.4 / 83.1 -> 90.7 / 90.2 / 89.8 with one tile a block;
-//    RHT bf16 lost 8-10 % that way (83.5 -> 73.9 at 8192^2), and with two tiles a block it gained: 83.0 / 84.1 / 83.9
-//    (RHT swizzled f16 85.8 / 86.3 / 86.6; three or four tiles a block: slower).
-//  * Session 11, 16-bit outputs, one-tile blocks compiled without the load-ahead (fewer registers) and 6 resident
-//    blocks an SM instead of 4: plain bf16 85.3 / 84.4 / 86.2 -> 89.1 / 88.3 / 89.5, 1x64 bf16 (with its table
-//    decode) 84.2 / 84.2 / 84.5 -> 86.0 / 84.7 / 85.9; RHT bf16 with one tile a block and 5 / 6 blocks: 81.1 / 72.7
-//    at 8192^2 against 83.1 for two tiles a block and 4 blocks (5 blocks there: 82.3). f32 outputs keep 4 blocks (their
-//    tiles take twice the shared memory; plain f32 at 6 blocks: 88.7 against 92.2).
-//  * Session 18, 16-bit RHT transforming one row at a time (StoreRhtPairs; 40 registers instead of 64 with a 16-byte
-//    spill): one tile a block and 6 blocks an SM, RHT bf16 85.2 / 85.3 / 85.0 -> 87.4 / 87.1 / 88.7, RHT swizzled f16
-//    88.2 / 88.4 / 88.0 -> 89.2 / 89.2 / 90.1; the new decode with two tiles a block: 86.7 / 86.7 / 87.0 at 4 blocks,
-//    87.0 / 87.1 / 87.2 at 5, 84.7 / 84.9 / 84.5 at 6.
+// loads issued before the current tile's decode, whichever measured faster (docs/kernels/dequantize.md): one-tile
+// blocks beat a persistent grid; 16-bit outputs run one tile a block at 6 blocks an SM without the load-ahead (the
+// RHT variant since it transforms one row at a time, StoreRhtPairs: 40 registers instead of 64); f32 outputs keep 4
+// blocks (their tiles take twice the shared memory) and load ahead.
 template <typename Out, int kVar>
 constexpr bool TileGridPerTile() {
   return sizeof(Out) == 2 || kVar != kTransposeLocal;
 }
 
-// The kernel loads the next tile ahead: multi-tile blocks, and (as measured in session 10) the f32 one-tile kernels.
+// The kernel loads the next tile ahead: multi-tile blocks, and the f32 one-tile kernels (measured faster).
 template <typename Out, int kVar>
 constexpr bool TransposeLoadAhead() {
   return !TileGridPerTile<Out, kVar>() || sizeof(Out) == 4;

@@ -48,9 +48,8 @@ constexpr int kAmaxTilesPerUnit = 4;  // 64x64 tiles per tile-path unit, down th
 // Tile path: the columnwise RHT amax of a group whose columns split into whole 16-row segments (M_g % 16 == 0), inside
 // the buffer, with whole rowwise blocks (K_g % 16 == 0) if the rowwise amax is wanted too. Its 64x64 tiles are read
 // as row segments (16-byte loads where aligned) and transposed through shared memory, as the single-tensor RHT amax
-// kernel does, instead of every thread gathering a 16x1 column segment with 16 scalar loads. H200, bytes read against
-// the copy's read + write rate, 16384 x 4096 / 7168 with 1 / 8 / 64 groups: the gather ran at 24 %, a third of the
-// rowwise amax; tiles 28-34 %; tiles with the ftz forward RHT (common/convert.cuh) 43-53 %.
+// kernel does, instead of every thread gathering a 16x1 column segment with 16 scalar loads (about twice as fast
+// with the ftz forward RHT of common/convert.cuh: docs/kernels/grouped.md).
 __device__ __forceinline__ bool AmaxTilePath(const AmaxArgs& a, const Table& t, int g) {
   return a.col && a.col_rht && t.rows[g] % 16 == 0 && (!a.row || t.cols[g] % 16 == 0) && t.Inside(g);
 }

@@ -46,11 +46,8 @@ struct DequantArgs {
 
 constexpr int kRuns = 2;  // segments per thread and unit (tile path, row-major layouts): 47 registers for 16-bit outputs
 // NVFP4 columnwise: TransposedTile tiles per unit (consecutive in the group's tile order), so that the unit's set-up
-// (group search, the group's Args) is paid once per 4 tiles. Measured on an H100 (benchmarks/grouped.py, bf16 out,
-// 16384 x 4096 / 7168 with 8 / 64 groups, mean of two rounds) against one tile a unit: RHT col 88.5 / 93.0, 149.6 /
-// 155.4 -> 85.4 / 89.4, 140.7 / 141.9 us; plain col 81.6 / 81.4, 136.4 / 135.8 -> 81.3 / 80.0, 133.8 / 131.1 us.
-// (Two batches of kRuns x 256 segments a unit for the row-major layouts: MXFP8 rowwise 4-7 % slower, NVFP4
-// rowwise unchanged; not taken.)
+// (group search, the group's Args) is paid once per 4 tiles (up to 9 % faster than one tile a unit; the row-major
+// layouts keep one batch of segments a unit: docs/kernels/grouped.md).
 constexpr int kTilesPerUnit = 4;
 
 template <int kKind>

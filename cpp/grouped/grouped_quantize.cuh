@@ -230,15 +230,8 @@ __device__ __forceinline__ void GenericMxfp8(const QuantArgs& a, const Table& t,
 
 // ---- the kernel ---------------------------------------------------------------------------------------------------
 // Resident blocks per SM (__launch_bounds__; the rare generic path may spill a little rather than cost the tile path
-// occupancy). Measured with tools/dev/kernel_check/grouped_check.cu on an H100 (kernel mode, % of copy at 16384 x 4096 /
-// 7168 with 8 / 64 groups), against 4 blocks (64 registers) for every NVFP4 pairing:
-//  * NVFP4 rowwise: 6 blocks (40 registers), 73.3 / 67.4, 75.3 / 68.4 -> 81.8 / 72.5, 83.3 / 76.2 (5 blocks: 79.8 /
-//    74.3, 80.9 / 71.6);
-//  * NVFP4 columnwise (RHT) 5 blocks: 36.8 / 33.1, 37.6 / 34.1 -> 38.7 / 36.1, 38.8 / 35.3 (6: 38.5 / 34.3, 38.8 /
-//    35.2); NVFP4 row+col 5 blocks: 48.7 / 44.3, 48.2 / 45.1 -> 51.5 / 49.4, 49.4 / 47.4; mixed 5 blocks: 63.8 /
-//    59.0, 64.6 / 59.8 -> 65.1 / 62.1, 64.3 / 59.6;
-//  * MXFP8 in one orientation: 5 blocks (as their single-tensor kernels get); MXFP8 row+col: 4 (5 blocks: 77.5 ->
-//    72.1 at 16384 x 4096, 8 groups).
+// occupancy), each the fastest measured (docs/kernels/grouped.md): NVFP4 rowwise 6 (40 registers), other NVFP4
+// pairings 5, MXFP8 in one orientation 5 (as their single-tensor kernels), MXFP8 row+col 4.
 template <int kRow, int kCol>
 __host__ __device__ constexpr int MinBlocks() {
   constexpr bool kNv = kRow == kNvfp4 || kCol == kNvfp4, kOne = kRow == kNone || kCol == kNone;

@@ -12,8 +12,7 @@
 // exactly once (CUDA-graph safe).
 //
 // The kernel is bound by instruction issue, not by DRAM, on Hopper (software E2M1: about 9 instructions per element
-// and orientation; ncu on an H200: issue slots ~72 % busy at 25 % DRAM throughput for NVFP4 row+col), so the work per
-// element is kept minimal: bf16 widening by shifts, 16-byte shared-memory traffic, per-block multipliers from a table
+// and orientation; measurements in docs/kernels/quantize.md), so the work per element is kept minimal: bf16 widening by shifts, 16-byte shared-memory traffic, per-block multipliers from a table
 // (MultiplierTable) instead of two correctly rounded reciprocals. Only the mixed pairing gains from loading the next
 // tile during the current one (QuantizeTilesStaged: cp.async into shared memory); the MXFP8 kernels hold it in
 // registers (QuantizeTilesPrefetched); for the other NVFP4 kernels both cost more registers than they save.
@@ -77,7 +76,7 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
       if constexpr (kPadded<kCol, kPlain>) {
         *RowChunk(tile, lr, cg, h) = q;
       } else {
-        tile[lr][TileChunk(lr, 4 * cg + h)] = q;  // indexed in place: through a pointer the SASS grew (session 18)
+        tile[lr][TileChunk(lr, 4 * cg + h)] = q;  // indexed in place: through a pointer the SASS grew
       }
     }
   }
@@ -166,7 +165,7 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
             *reinterpret_cast<uint4*>(dst) = make_uint4(out[0], out[1], out[2], out[3]);
           } else {  // rows not 16-byte aligned: byte stores of the valid elements
             // Unrolled, so out[] is indexed by constants and stays in registers (see PickWord; unrolled rather than
-            // picked: it left the grouped MXFP8 row+col tile loop spill-free, session 20).
+            // picked: it left the grouped MXFP8 row+col tile loop spill-free).
 #pragma unroll
             for (int i = 0; i < 16; ++i) {
               if (i < valid) dst[i] = uint8_t(out[i >> 2] >> (8 * (i & 3)));
@@ -273,25 +272,18 @@ __device__ __forceinline__ void QuantizeTilesStaged(const Args& a, int64_t p, in
 }
 
 // The kernels that walk their tiles through QuantizeTilesStaged: NVFP4 rowwise + MXFP8 columnwise codes on 16-bit
-// input (the pass of the NVFP4-forward / MXFP8-backward recipe). Harness A/B on an H100 (session 15): mixed 80 -> 82-84
-// % of copy, swizzled 80 -> 84-86; NVFP4 row+col went from 60 to 117 registers and 68 to 58 % (64 % when capped at
-// 64 registers), exact operands 81 -> 74 %, NVFP4 rowwise alone unchanged: those keep QuantizeTile's own loads.
+// input (the pass of the NVFP4-forward / MXFP8-backward recipe), which gains 2-6 points of copy from it; the other
+// NVFP4 pairings lose (registers: row+col 60 -> 117) and keep QuantizeTile's own loads (docs/kernels/quantize.md).
 template <typename In, int kRow, int kCol, bool kExact>
 constexpr bool kStagedPairing =
     sizeof(In) == 2 && kRow == kNvfp4 && (kCol == kMxfp8E4m3 || kCol == kMxfp8E5m2) && !kExact;
 
 // Thread block (blockIdx.x, blockIdx.y, p) walks tiles_per_cta tiles down the rows, so that the per-thread setup, the
 // tensor encode scales and their multiplier tables are computed once per block.
-// Resident blocks per SM (__launch_bounds__; 0: none, the same code as no bound). MXFP8 kernels take none:
-// __launch_bounds__(256, 4) measured slower for them (rowwise 68.3 instead of 59.4 us at 8192^2 on an H200, row+col
-// 97.0 instead of 92.1) and (256, 1) slower still (row+col 113.8 us): it changes the schedule, not just the register
-// count. NVFP4 (tools/dev/kernel_check/quantize_check.cu on an H100, session 17, both harness inputs): 5 blocks (48
-// registers) for the plain kernels: col 76.8 -> 79.5 % of copy on N(0, 1) input, row+col +0.4; for the kernels with
-// options they cost RHT col 0.8 and SR 0.5 points, so those keep none. The exact NVFP4-rowwise + MXFP8-columnwise
-// kernels take 4 (without it ptxas gave them 48 registers and a spill: 81 -> 77 %; with it 79.5). The staged kernels
-// (mixed): the plain ones 5 (48 registers, no spill since session 20 kept out[] in registers; H100, session 21, three
-// rounds: 83.1-83.8 -> 86.5-87.9 % of copy, swizzled 81.2-83.0 -> 85.3-87.9; without a bound ptxas gives them 80
-// registers, 3 blocks, 1.5-2.5 points below 4 blocks), the ones with options 4 (at 48 registers they spill).
+// Resident blocks per SM (__launch_bounds__; 0: none, the same code as no bound), each the fastest measured
+// (docs/kernels/quantize.md): MXFP8 none (a bound changes their schedule and was slower); plain NVFP4 5 (48
+// registers); NVFP4 with options none (5 blocks cost them); exact NVFP4-rowwise + MXFP8-columnwise 4 (unbounded,
+// ptxas spills them); staged (mixed) plain 5, with options 4 (at 48 registers they spill).
 template <typename In, int kRow, int kCol, bool kPlain, bool kExact>
 constexpr int QuantizeMinBlocks() {
   if (kExact) return kRow == kNvfp4 && (kCol == kMxfp8E4m3 || kCol == kMxfp8E5m2) ? 4 : 0;

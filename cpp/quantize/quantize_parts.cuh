@@ -137,8 +137,7 @@ __device__ __forceinline__ uint32_t Bf16Pair(float lo, float hi) {
 
 // w[j] for a run-time j < N through compare-selects. Indexing a register array with a run-time value puts the whole
 // array in local memory, and ptxas stores it there ahead of the branch that needs it, i.e. on the vector path too
-// (the MXFP8-columnwise kernels paid a 16-byte local store per thread and tile for their rare byte-store loop: ncu,
-// grouped mixed, 80 MB of local stores for a 16384 x 4096 input; session 20).
+// (the MXFP8-columnwise kernels paid a 16-byte local store per thread and tile for their rare byte-store loop).
 template <int N>
 __device__ __forceinline__ uint32_t PickWord(const uint32_t (&w)[N], int j) {
   uint32_t r = w[0];
@@ -288,14 +287,14 @@ __device__ __forceinline__ int TileChunk(int r, int q) {
 // column's 16 values each sit at one base address plus constant offsets, instead of a per-chunk XOR recomputed every
 // tile (static SASS of the NVFP4 row+col kernel: 1088 -> 1032 instructions). The other kernels keep TileChunk: the
 // MXFP8 columnwise warps read 32 adjacent columns of one row, which the padded layout spreads over 16 banks only,
-// and the NVFP4 kernels with options ran 1-3 % slower with it (H100, session 18). Either layout is free of bank
+// and the NVFP4 kernels with options ran 1-3 % slower with it. Either layout is free of bank
 // conflicts for a quarter warp's row chunks (rows r, r + 1 x 4 column groups) and a warp's column reads.
 template <int kCol, bool kPlain>
 constexpr bool kPadded = kCol == kNvfp4 && kPlain;
 template <int kCol, bool kPlain>
 __device__ __forceinline__ constexpr int TileRowChunks() { return kPadded<kCol, kPlain> ? 20 : 16; }
 // Padded layout only (the unpadded kernels index tile[r][TileChunk(r, q)] in place: through a pointer helper their
-// SASS grew by 8-16 instructions and the 2D / SR row+col kernels lost 1.3 % of copy, H100, session 18).
+// SASS grew by 8-16 instructions and the 2D / SR row+col kernels lost 1.3 % of copy).
 // Chunk h of row segment cg (columns 16 cg + 4 h ..) of tile row r.
 __device__ __forceinline__ float4* RowChunk(float4 (&tile)[kTile][20], int r, int cg, int h) {
   return &tile[0][0] + (r * 20 + (cg ^ ((r >> 4) & 3)) + 4 * h);
