@@ -7,14 +7,19 @@ Two implementations, chosen at trace time:
     scales (amax / 2688 per operand) multiply the float32 result afterwards. 1x64 operands enter as their
     dequantized float32 values (their window scales do not factor out of the sum), a product no vendor library
     offers today.
-  * "native" (compute capability >= 10): `jax.nn.scaled_matmul` (cuDNN block-scaled GEMM) for MXFP8 x MXFP8 and
-    NVFP4 1D x NVFP4 1D operands whose block axis is their only contracting axis and with no batch axes; the NVFP4
-    tensor scales are applied to its float32 result the same way.
+  * "native": `jax.nn.scaled_matmul` for MXFP8 x MXFP8 and NVFP4 1D x NVFP4 1D operands whose block axis is their
+    only contracting axis and with no batch axes; the NVFP4 tensor scales are applied to its float32 result the same
+    way. "auto" takes it on compute capability >= 10 (cuDNN's block-scaled GEMM on the tensor cores); it may be
+    requested wherever `jax.nn.scaled_matmul` lowers (XLA's dequantize + dot decomposition on Hopper, and on the CPU
+    with jax >= 0.11), which is how its operand layouts are checked against the emulated route without a Blackwell
+    GPU. `gemm_route` says which route "auto" takes for a pair of formats.
 RHT operands (the wgrad pair) must both carry the transform along the contracting axis: H is orthogonal, so the
 product of the transformed operands is the product of the originals and no inverse is applied.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +31,8 @@ from jax_fp4.quantize import unswizzle_scales
 from jax_fp4.quantized_array import ExactOperand, QuantizedArray
 from jax_fp4.reference.nvfp4 import INV_ENC_NUMERATOR
 
-__all__ = ["scaled_dot_general", "exact_dot_general", "ExactOperand", "native_gemm_available", "IMPLEMENTATIONS"]
+__all__ = ["scaled_dot_general", "exact_dot_general", "ExactOperand", "native_gemm_available", "scaled_matmul_lowers",
+           "gemm_route", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("auto", "emulated", "native")
 
@@ -40,6 +46,47 @@ def native_gemm_available() -> bool:
         return float(getattr(dev, "compute_capability", "0")) >= 10.0
     except ValueError:
         return False
+
+
+@functools.cache
+def _lowers(fn, backend: str) -> bool:
+    spec = jax.ShapeDtypeStruct((1, 1, 32), jnp.float8_e4m3fn)
+    scale = jax.ShapeDtypeStruct((1, 1, 1), jnp.float8_e8m0fnu)
+    try:
+        jax.jit(fn).lower(spec, spec, scale, scale)  # on the default backend; `backend` keys the cache
+    except NotImplementedError:  # "MLIR translation rule for primitive 'scaled_matmul' not found for platform ..."
+        return False
+    return True
+
+
+def scaled_matmul_lowers() -> bool:
+    """True when `jax.nn.scaled_matmul` lowers on the default backend (then implementation="native" may be asked).
+
+    Probed once per backend by lowering a 1x1x32 MXFP8 product (no compilation): CUDA always (cuDNN on compute
+    capability >= 10, XLA's dequantize + dot elsewhere), the CPU from jax 0.11 on.
+    """
+    return _lowers(jax.nn.scaled_matmul, jax.default_backend())
+
+
+def _native_formats(fa, fb) -> bool:
+    """Whether the native route takes a pair of formats: MXFP8 x MXFP8 (E4M3/E5M2) or NVFP4 1D x NVFP4 1D (no 2D
+    scaling, RHT or 1x64 windows: cuDNN's block-scaled GEMM has one 1x16 E4M3 or 1x32 E8M0 scale per block)."""
+    if isinstance(fa, MXFP8) and isinstance(fb, MXFP8):
+        return True
+    return all(isinstance(f, NVFP4) and not (f.local_1x64 or f.rht or f.scaling_2d) for f in (fa, fb))
+
+
+def gemm_route(fa, fb) -> str:
+    """The route implementation="auto" takes on the default device for a 2-D product without batch axes of operands
+    in formats fa and fb, each blocked along the contracted axis (every GEMM of `jax_fp4.dense`): "native" or
+    "emulated"; "bf16" when fa or fb is None (an unquantized GEMM: plain `lax.dot_general`).
+
+    Args:
+      fa, fb: `jax_fp4.Format` instances or None (as a `jax_fp4.recipes.Recipe` names its operands).
+    """
+    if fa is None or fb is None:
+        return "bf16"
+    return "native" if _native_formats(fa, fb) and native_gemm_available() else "emulated"
 
 
 def exact_operand(q: QuantizedArray):
@@ -83,11 +130,7 @@ def _native_ok(a, b, dn) -> bool:
     (ca, cb), (ba, bb) = dn
     if ba or bb or len(ca) != 1 or a.ndim != 2 or b.ndim != 2:
         return False
-    fa, fb = a.fmt, b.fmt
-    if isinstance(fa, MXFP8) and isinstance(fb, MXFP8):
-        return True
-    plain = [isinstance(f, NVFP4) and not (f.local_1x64 or f.rht or f.scaling_2d) for f in (fa, fb)]
-    return all(plain)
+    return _native_formats(a.fmt, b.fmt)
 
 
 def _native_operand(q: QuantizedArray):
@@ -110,14 +153,14 @@ def scaled_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, 
         rhs_batch)). Each operand's block axis must be one of its contracting dimensions.
       preferred_element_type: result dtype (float32 default; the accumulation is float32 either way).
       implementation: "auto" (native on compute capability >= 10 where the formats allow, else emulated),
-        "emulated" or "native".
+        "emulated" or "native" (where the formats allow and `jax.nn.scaled_matmul` lowers: `scaled_matmul_lowers`).
 
     Returns:
       The product in `preferred_element_type`, shaped as `lax.dot_general`'s.
 
     Raises:
       ValueError: non-QuantizedArray operands; a block axis that is not contracted; one RHT operand without the
-      other; implementation="native" where the formats or device do not allow it.
+      other; implementation="native" where the formats do not allow it or `jax.nn.scaled_matmul` does not lower.
 
     Numerics: docs/numerics.md "GEMM emulation": sum of exact block-scaled products accumulated in float32, then the
     tensor scales (amax_a / 2688) * (amax_b / 2688) for NVFP4.
@@ -125,11 +168,16 @@ def scaled_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, 
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"scaled_dot_general: implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     dn = _check(a, b, dimension_numbers)
-    native = _native_ok(a, b, dn) and native_gemm_available()
-    if implementation == "native" and not native:
-        raise ValueError(f"scaled_dot_general: no native block-scaled GEMM for {a!r} x {b!r} on {jax.devices()[0]}")
-    if implementation == "emulated":
-        native = False
+    if implementation == "native":
+        if not _native_ok(a, b, dn):
+            raise ValueError(f"scaled_dot_general: no native block-scaled GEMM for {a!r} x {b!r} (it takes 2-D MXFP8 x "
+                             "MXFP8 or NVFP4 1D x NVFP4 1D operands contracted along their block axis only)")
+        if not scaled_matmul_lowers():
+            raise ValueError(f"scaled_dot_general: no native block-scaled GEMM on {jax.devices()[0]}: "
+                             f"jax.nn.scaled_matmul does not lower on {jax.default_backend()} (jax {jax.__version__})")
+        native = True
+    else:
+        native = implementation == "auto" and _native_ok(a, b, dn) and native_gemm_available()
     if native:
         da, sa = _native_operand(a)
         db, sb = _native_operand(b)

@@ -174,6 +174,14 @@ def violates(got, ref: np.ndarray, bound: np.ndarray) -> bool:
     return bool(np.any(np.abs(f64(got) - ref) > bound))
 
 
+def documented_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32):
+    """jax.nn.scaled_matmul's documented semantics (its docstring), for jax versions without a CPU lowering."""
+    a = lhs.astype(jnp.float32) * jnp.repeat(lhs_scales.astype(jnp.float32), lhs.shape[-1] // lhs_scales.shape[-1], -1)
+    b = rhs.astype(jnp.float32) * jnp.repeat(rhs_scales.astype(jnp.float32), rhs.shape[-1] // rhs_scales.shape[-1], -1)
+    return jnp.einsum("bmk,bnk->bmn", a, b, precision=jax.lax.Precision.HIGHEST,
+                      preferred_element_type=jnp.float32).astype(preferred_element_type)
+
+
 # ---- the dense layer: its GEMM operands, reproduced with the documented calls, and the fp64 checks -------------------
 FPROP = (((1,), (0,)), ((), ()))  # x[M, K] . w[K, N]
 DGRAD = (((1,), (1,)), ((), ()))  # dy[M, N] . w[K, N] over N

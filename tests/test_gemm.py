@@ -23,6 +23,7 @@ from _gemm_util import (
     assert_within,
     chunk_l1,
     decode,
+    documented_scaled_matmul,
     dot64,
     f64,
     gamma,
@@ -170,9 +171,7 @@ def test_errors(rng):
         jax_fp4.scaled_dot_general(jq(xs["x"], NV, 0), dy_rht, wgrad)
     w_col = jq(xs["w"], NV, 0)
     fprop = ORIENTATIONS["x.w[K,N]"][2]
-    assert not gemm_module.native_gemm_available()  # the CPU
-    with pytest.raises(ValueError, match="no native block-scaled GEMM"):
-        jax_fp4.scaled_dot_general(x_row, w_col, fprop, implementation="native")
+    assert not gemm_module.native_gemm_available()  # the CPU (native on request: tests/test_gemm_native.py)
     with pytest.raises(ValueError, match="implementation must be one of"):
         jax_fp4.scaled_dot_general(x_row, w_col, fprop, implementation="cudnn")
     with pytest.raises(ValueError, match="must be a jax_fp4.QuantizedArray"):
@@ -180,14 +179,6 @@ def test_errors(rng):
 
 
 # ---- the native path's choice and operands (CPU: jax.nn.scaled_matmul replaced by a recorder) ------------------------
-def _documented_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32):
-    """jax.nn.scaled_matmul's documented semantics (its docstring), for jax versions without a CPU lowering."""
-    a = lhs.astype(jnp.float32) * jnp.repeat(lhs_scales.astype(jnp.float32), lhs.shape[-1] // lhs_scales.shape[-1], -1)
-    b = rhs.astype(jnp.float32) * jnp.repeat(rhs_scales.astype(jnp.float32), rhs.shape[-1] // rhs_scales.shape[-1], -1)
-    return jnp.einsum("bmk,bnk->bmn", a, b, precision=jax.lax.Precision.HIGHEST,
-                      preferred_element_type=jnp.float32).astype(preferred_element_type)
-
-
 @pytest.fixture
 def native_recorder(monkeypatch):
     """Pretend the device has block-scaled tensor cores; record (and compute) every jax.nn.scaled_matmul call."""
@@ -201,7 +192,7 @@ def native_recorder(monkeypatch):
         try:  # jax >= 0.11 lowers scaled_matmul on the CPU (its own decomposition)
             return original(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=preferred_element_type)
         except NotImplementedError:  # older jax: no CPU lowering
-            return _documented_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type)
+            return documented_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type)
 
     monkeypatch.setattr(gemm_module, "native_gemm_available", lambda: True)
     monkeypatch.setattr(jax.nn, "scaled_matmul", recorder)
