@@ -187,9 +187,8 @@ __device__ __forceinline__ uint2 LoadRun(const uint8_t* p) {
 // of block b decodes runs (b * kUnroll + j) * kThreads + t, j < kUnroll: each warp-wide load and 16-byte store
 // covers one contiguous span, and every thread issues all its loads before its first store. 16-bit 1x64 runs (8 codes
 // of one block) in a safe window decode through the block's table (half_table.cuh: two divisions a run instead of
-// one per element; harness on an H100: 1x64 bf16 86.5 / 86.2 / 88.0 -> 90.4 / 90.1 / 92.8 % of copy), and swizzled
-// scales find the row with a multiplication instead of a division (RowOf; swizzled 1x64 bf16 84.0 / 85.2 / 87.8 ->
-// 90.1 / 90.8 / 93.8 with both).
+// one per element), and swizzled scales find the row with a multiplication instead of a division (RowOf): together
+// gained 4-6 points of copy (docs/kernels/dequantize.md).
 constexpr int kUnroll = 4;
 
 // Flat row e / C: 32-bit indices (e < 2^31) use the host's multiplier (Args::c_magic / c_shift, SetRowDivisor).

@@ -59,8 +59,8 @@ __host__ __device__ constexpr int BlockOf(int kind) { return kind == kNvfp4 ? 16
 
 // 64-row tiles per tile-path work unit, walked down a group's rows as the single-tensor kernel does: MXFP8-only
 // pairings with the next tile's row segment prefetched (quantize::QuantizeTilesPrefetched), NVFP4 ones tile by tile,
-// so the unit's set-up (group lookup, arguments, encode scales) is paid once per 4 tiles. (One tile a unit: ncu on an
-// H100, NVFP4 row 16384x4096, 8 groups: 111 us for the quantize kernel against ~67 us for the single-tensor one.)
+// so the unit's set-up (group lookup, arguments, encode scales) is paid once per 4 tiles (with one tile a unit the
+// grouped NVFP4 row kernel took 1.7x the single-tensor one's time: docs/kernels/grouped.md).
 constexpr int kTilesPerUnit = 4;
 
 // Tile path eligibility: aligned block axes, a 16-aligned offset (the tile routine's vector stores) and inside x.
@@ -263,8 +263,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<kRow, kCol>()) GroupedQuan
   // Dynamic scheduling: block b starts with unit b, then takes unit gridDim.x + c, c from an atomic counter that
   // thread 0 claims at the start of each unit (its latency hidden behind the unit). Units are taken in request order,
   // so the blocks at work stay on neighbouring units, as the hardware's block scheduler keeps the single-tensor
-  // kernel's; a static grid stride let them drift apart (H100, one group of 16384 x 4096: mixed 71.5 % of copy
-  // against 87 % for the single-tensor kernel).
+  // kernel's; a static grid stride let them drift apart (one group: mixed 71.5 % of copy against the single-tensor
+  // kernel's 87 %).
   __shared__ int32_t claimed_smem[2];
   int parity = 0, g = 0;
   for (int64_t u = blockIdx.x; u < t.Total(); parity ^= 1) {
