@@ -188,7 +188,7 @@ __device__ __forceinline__ uint2 LoadRun(const uint8_t* p) {
 // covers one contiguous span, and every thread issues all its loads before its first store. 16-bit 1x64 runs (8 codes
 // of one block) in a safe window decode through the block's table (half_table.cuh: two divisions a run instead of
 // one per element), and swizzled scales find the row with a multiplication instead of a division (RowOf): together
-// gained 4-6 points of copy (docs/kernels/dequantize.md).
+// they gained 4-6 points of copy (docs/kernels/dequantize.md).
 constexpr int kUnroll = 4;
 
 // Flat row e / C: 32-bit indices (e < 2^31) use the host's multiplier (Args::c_magic / c_shift, SetRowDivisor).
