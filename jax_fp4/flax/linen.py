@@ -21,6 +21,7 @@ from flax.errors import InvalidRngError
 from flax.linen.dtypes import promote_dtype
 
 from jax_fp4.dense import dense
+from jax_fp4.policy import Policy
 from jax_fp4.recipes import Recipe
 
 __all__ = ["Dense", "LayerNormDense", "LayerNormMLP"]
@@ -46,7 +47,8 @@ class Dense(nn.Module):
 
     Attributes:
       features: N, the number of output features.
-      recipe: a `jax_fp4.recipes.Recipe` (frozen and hashable).
+      recipe: a `jax_fp4.recipes.Recipe` (frozen and hashable), or a `jax_fp4.policy.Policy`: the layer's recipe is
+        then ``policy.resolve(self.path)`` (resolved when traced; the composite layers pass it to their sublayers).
       use_bias: add a bias (default True).
       dtype: compute dtype (None: promoted from x and the params, as nn.Dense).
       param_dtype: dtype of the params (default float32).
@@ -69,20 +71,21 @@ class Dense(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
-        if not isinstance(self.recipe, Recipe):
-            raise TypeError(f"jax_fp4.flax.linen.Dense: recipe must be a jax_fp4.recipes.Recipe, got "
-                            f"{type(self.recipe).__name__}")
+        if not isinstance(self.recipe, (Recipe, Policy)):
+            raise TypeError(f"jax_fp4.flax.linen.Dense: recipe must be a jax_fp4.recipes.Recipe or a "
+                            f"jax_fp4.policy.Policy, got {type(self.recipe).__name__}")
+        recipe = self.recipe.resolve(self.path) if isinstance(self.recipe, Policy) else self.recipe
         kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         key = None
-        if self.recipe.needs_key:
+        if recipe.needs_key:
             try:
                 key = self.make_rng(self.rng_collection)
             except InvalidRngError as e:
-                raise ValueError(f"jax_fp4.flax.linen.Dense: recipe {self.recipe.name!r} uses stochastic rounding; "
+                raise ValueError(f"jax_fp4.flax.linen.Dense: recipe {recipe.name!r} uses stochastic rounding; "
                                  f"pass rngs={{{self.rng_collection!r}: key}} to apply") from e
-        return dense(inputs, kernel, bias, recipe=self.recipe, key=key)
+        return dense(inputs, kernel, bias, recipe=recipe, key=key)
 
 
 class LayerNormDense(nn.Module):

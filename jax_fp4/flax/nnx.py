@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes, initializers
 
+from jax_fp4 import diagnostics as _diagnostics
 from jax_fp4.dense import dense
 from jax_fp4.recipes import Recipe
 
@@ -160,6 +161,10 @@ class Dense(nnx.Module):
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         x, kernel, bias = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
+        probe = getattr(self, "quant_probe", None)  # set by jax_fp4.flax.diagnostics.instrument
+        if probe is not None:
+            return _diagnostics.dense(x, kernel, bias, recipe=self.recipe, key=_quantize_key(self, rngs),
+                                      probe=probe[...])
         return dense(x, kernel, bias, recipe=self.recipe, key=_quantize_key(self, rngs))
 
 

@@ -1,0 +1,210 @@
+"""Applying a `jax_fp4.policy.Policy` to Flax models (NNX and Linen).
+
+NNX (`apply`, `assignments`, `describe`): the layers are found with `nnx.iter_graph`; their path is the "/"-joined
+attribute path ("blocks/3/mlp/up"; scanned / vmapped stacks have one path for the whole stack, "blocks/mlp/up", so
+per-block rules need unstacked blocks). Quantizable layers:
+  * jax_fp4 layers with a recipe: `jax_fp4.flax.nnx.Dense` (also inside LayerNormDense / LayerNormMLP) and
+    `jax_fp4.flax.moe.MoEMLP`; `apply` sets their ``recipe`` (a static attribute: the module definition changes, the
+    state does not, so `nnx.split` gives a new graphdef and the same state);
+  * with ``drop_in=True``, existing Flax layers with a ``dot_general`` attribute (`nnx.Linear`, `nnx.LinearGeneral`,
+    ...): `apply` sets it to a drop-in dot_general of the recipe (`jax_fp4.flax.make_dot_general`; BF16 is plain
+    `lax.dot_general`). Only layers that some rule or the default reaches are changed.
+
+Linen: pass the Policy as the ``recipe`` of `jax_fp4.flax.linen` layers (each resolves its recipe from its own
+``self.path`` when traced), and use `linen_dot_general(policy)` as the ``dot_general`` of existing Linen layers
+(`nn.Dense(..., dot_general=linen_dot_general(policy))`) inside `linen_module_paths()`, which tells it the calling
+module's path. `describe_linen` traces ``module.init`` abstractly (no FLOPs) and returns the layer -> recipe table,
+raising for a rule that matches nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+
+import jax
+from flax import nnx
+
+from jax_fp4.flax import make_dot_general
+from jax_fp4.flax.moe import MoEMLP, group_alignment
+from jax_fp4.flax.nnx import Dense, _quantize_stream
+from jax_fp4.policy import Policy, format_table, path_str, recording
+from jax_fp4.recipes import Recipe
+
+__all__ = ["apply", "assignments", "describe", "layers", "PolicyDotGeneral", "linen_dot_general",
+           "linen_module_paths", "describe_linen"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyDotGeneral:
+    """A hashable drop-in ``dot_general`` of one recipe (`make_dot_general(recipe)` per call), so that a module's
+    definition compares equal across `apply` calls with the same policy (no recompilation)."""
+
+    recipe: Recipe
+
+    def __call__(self, *args, **kwargs):
+        return make_dot_general(self.recipe)(*args, **kwargs)
+
+
+def _is_fp4_layer(node) -> bool:
+    return isinstance(node, (Dense, MoEMLP))
+
+
+def _is_drop_in(node) -> bool:
+    return isinstance(node, nnx.Module) and not _is_fp4_layer(node) and callable(getattr(node, "dot_general", None))
+
+
+def _current(node) -> Recipe | None:
+    if _is_fp4_layer(node):
+        return node.recipe
+    dg = node.dot_general
+    return dg.recipe if isinstance(getattr(dg, "recipe", None), Recipe) else None
+
+
+def layers(model, *, drop_in: bool = False) -> dict[str, nnx.Module]:
+    """{path: layer} of the quantizable layers of an NNX model (see the module docstring), in graph order."""
+    found = {}
+    for path, node in nnx.iter_graph(model):
+        if _is_fp4_layer(node) or (drop_in and _is_drop_in(node)):
+            found[path_str(path)] = node
+    return found
+
+
+def assignments(policy: Policy, model, *, drop_in: bool = False, check: bool = True) -> dict[str, Recipe | None]:
+    """{path: recipe} that `apply` would set (None: a drop-in layer left unchanged: no rule and no default reaches it).
+
+    Raises:
+      UnmatchedRuleError (check=True): a rule matches no quantizable layer.
+    """
+    found = layers(model, drop_in=drop_in)
+    if check:
+        policy.check(found, "the model" + ("" if drop_in else " (layers with a dot_general count with drop_in=True)"))
+    out = {}
+    for p, node in found.items():
+        if _is_fp4_layer(node):
+            out[p] = policy.resolve(p, node.recipe)
+        else:
+            rule = policy.match(p)
+            reached = (rule is not None and rule.recipe is not None) or policy.default is not None
+            out[p] = policy.resolve(p, _current(node)) if reached or _current(node) is not None else None
+    return out
+
+
+def apply(policy: Policy, model, *, drop_in: bool = False, rngs: nnx.Rngs | None = None,
+          check: bool = True) -> dict[str, Recipe | None]:
+    """Set every quantizable layer's recipe as `policy` says (in place); returns `assignments`.
+
+    Args:
+      policy: the `Policy`.
+      model: an NNX module (call outside `jax.jit`, before `nnx.split`; split again afterwards for the new graphdef).
+      drop_in: also set the ``dot_general`` of existing layers (nnx.Linear, ...).
+      rngs: seeds a stochastic-rounding stream (``rngs[layer.rng_collection]``) for a jax_fp4 layer whose new recipe
+        needs a key and that has none (built with a deterministic recipe). The state then gains that stream.
+      check: raise for a rule that matches no layer.
+
+    Raises:
+      UnmatchedRuleError: see `assignments`.
+      ValueError: a layer's new recipe needs a stochastic-rounding key, the layer has no stream and `rngs` is None
+        (or the layer is a scanned / vmapped stack, whose stream must be stacked: build it with such a recipe).
+    """
+    out = assignments(policy, model, drop_in=drop_in, check=check)
+    found = layers(model, drop_in=drop_in)
+    for p, recipe in out.items():
+        node = found[p]
+        if recipe is None:
+            continue
+        if not _is_fp4_layer(node):
+            if recipe != _current(node):
+                node.dot_general = PolicyDotGeneral(recipe)
+            continue
+        if recipe == node.recipe:
+            continue
+        if recipe.needs_key and node.rngs is None:
+            stacked = (node.kernel if isinstance(node, Dense) else node.up.kernel).ndim > (2 if isinstance(
+                node, Dense) else 3)
+            if rngs is None or stacked:
+                raise ValueError(f"policy.apply: layer {p!r} gets recipe {recipe.name!r}, which uses stochastic "
+                                 "rounding, but was built with a deterministic recipe (no rng stream); "
+                                 + ("build the stack with a stochastic-rounding recipe" if stacked else
+                                    "pass rngs=nnx.Rngs(quantize=seed) to apply"))
+            node.rngs = _quantize_stream(recipe, rngs, node.rng_collection, f"policy.apply({p!r})")
+        if isinstance(node, MoEMLP) and node.alignment % group_alignment(recipe):
+            node.alignment = math.lcm(node.alignment, group_alignment(recipe))
+        node.recipe = recipe
+    return out
+
+
+def _rule_name(policy: Policy, path: str, recipe) -> str:
+    rule = policy.match(path)
+    if rule is not None:
+        return repr(rule.pattern)
+    if recipe is None:
+        return "(unchanged)"
+    return "default" if policy.default is not None else "(own recipe)"
+
+
+def describe(policy: Policy, model, *, drop_in: bool = False, check: bool = True) -> str:
+    """The layer -> recipe table of `policy` on an NNX model (and the rule that decided each layer)."""
+    out = assignments(policy, model, drop_in=drop_in, check=check)
+    return format_table((p, "-" if r is None else r.name, _rule_name(policy, p, r)) for p, r in out.items())
+
+
+# ---- Linen -----------------------------------------------------------------------------------------------------------
+_LINEN_PATH: contextvars.ContextVar[str | None] = contextvars.ContextVar("jax_fp4_linen_path", default=None)
+
+
+def _interceptor(next_fun, args, kwargs, context):
+    token = _LINEN_PATH.set(path_str(context.module.path))
+    try:
+        return next_fun(*args, **kwargs)
+    finally:
+        _LINEN_PATH.reset(token)
+
+
+@contextlib.contextmanager
+def linen_module_paths():
+    """Within the block, `linen_dot_general` knows the path of the Linen module calling it (`nn.intercept_methods`).
+    Wrap ``module.init`` / ``module.apply`` (inside the jitted function when jitting)."""
+    import flax.linen as nn
+
+    with nn.intercept_methods(_interceptor):
+        yield
+
+
+@dataclasses.dataclass(frozen=True)
+class _LinenPolicyDotGeneral:
+    policy: Policy
+
+    def __call__(self, *args, **kwargs):
+        path = _LINEN_PATH.get()
+        if path is None:
+            raise ValueError("linen_dot_general: call module.init / module.apply inside "
+                             "jax_fp4.flax.policy.linen_module_paths() (the layer's path decides its recipe)")
+        return make_dot_general(self.policy.resolve(path))(*args, **kwargs)
+
+
+def linen_dot_general(policy: Policy):
+    """A ``dot_general`` for existing Linen layers (nn.Dense, nn.DenseGeneral, ...) whose recipe comes from `policy`
+    by the calling module's path; use inside `linen_module_paths()`. The policy needs a default (or rules covering
+    every such layer): ValueError otherwise."""
+    return _LinenPolicyDotGeneral(policy)
+
+
+def describe_linen(policy: Policy, module, *args, check: bool = True, **kwargs) -> str:
+    """The layer -> recipe table of `policy` in a Linen `module` (jax_fp4.flax.linen layers with the policy as their
+    recipe, and layers using `linen_dot_general(policy)`), from an abstract ``module.init(key, *args, **kwargs)``.
+
+    Raises:
+      UnmatchedRuleError (check=True): a rule matches no layer.
+    """
+    with recording() as found, linen_module_paths():
+        jax.eval_shape(lambda: module.init(jax.random.key(0), *args, **kwargs))
+    seen = {}
+    for pol, p, r in found:
+        if pol == policy:
+            seen.setdefault(p, r)
+    if check:
+        policy.check(seen, f"{type(module).__name__}")
+    return format_table((p, r.name, _rule_name(policy, p, r)) for p, r in seen.items())
