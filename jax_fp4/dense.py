@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_fp4._src.vjp_util import dtype_tag, operand_keys
 from jax_fp4.formats import NVFP4
 from jax_fp4.gemm import ExactOperand, exact_dot_general, native_gemm_available, scaled_dot_general
 from jax_fp4.quantize import quantize_rowwise_columnwise
@@ -60,24 +61,13 @@ def _gemm(a, b, dn):
     return lax.dot_general(a, b, dn, preferred_element_type=jnp.float32)
 
 
-def _keys(key):
-    if key is None:
-        return None, None, None
-    return tuple(jax.random.split(key, 3))
-
-
-def _dtype_tag(a):
-    """A zero-size array carrying a's dtype (residuals must be arrays, so a pullback can leave jax.jit)."""
-    return jnp.zeros((0,), a.dtype)
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dense(recipe, x2, w, bias, key):
     return _dense_fwd(recipe, x2, w, bias, key)[0]
 
 
 def _dense_fwd(recipe, x2, w, bias, key):
-    kx, kw, kdy = _keys(key)
+    kx, kw, kdy = operand_keys(key)
     emulated = not native_gemm_available()
     x_fprop, x_wgrad, _ = _quantize_pair(x2, recipe.fprop_x, recipe.wgrad_x, kx, exact=(emulated, False))
     w_dgrad, w_fprop, _ = _quantize_pair(w, recipe.dgrad_w, recipe.fprop_w, kw, exact=(False, emulated))
@@ -86,7 +76,7 @@ def _dense_fwd(recipe, x2, w, bias, key):
         y = y + bias.astype(jnp.float32)
     res = (jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[0]), x_wgrad),
            jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[1]), w_dgrad),
-           kdy, _dtype_tag(x2), _dtype_tag(w), None if bias is None else _dtype_tag(bias))
+           kdy, dtype_tag(x2), dtype_tag(w), None if bias is None else dtype_tag(bias))
     return y.astype(jnp.result_type(x2, w)), res
 
 

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp4.dense import _keys
+from jax_fp4._src.vjp_util import operand_keys
 from jax_fp4.dense import dense as _dense
 from jax_fp4.formats import MXFP8, NVFP4
 from jax_fp4.quantize import dequantize, quantize, quantize_rowwise_columnwise
@@ -196,7 +196,7 @@ def dense_stats(x, kernel, *, recipe: Recipe, key=None) -> jax.Array:
     """float32[6, 6] of the forward operands of `jax_fp4.dense(x, kernel, recipe=recipe, key=key)` (rows `OPERANDS`,
     columns `STATS`); the dy rows (dgrad_dy, wgrad_dy) are NaN (dy exists in the backward only: see `dense`)."""
     x = jnp.asarray(x)
-    return _forward_stats(x.reshape(-1, x.shape[-1]), jnp.asarray(kernel), recipe, *_keys(key)[:2])
+    return _forward_stats(x.reshape(-1, x.shape[-1]), jnp.asarray(kernel), recipe, *operand_keys(key)[:2])
 
 
 def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, probe):
@@ -215,7 +215,7 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, probe):
     y = _dense(x, kernel, bias, recipe=recipe, key=key)
     if jnp.shape(probe) != probe_shape():
         raise ValueError(f"diagnostics.dense: probe must have shape {probe_shape()}, got {jnp.shape(probe)}")
-    kx, kw, kdy = _keys(key)  # as jax_fp4.dense splits it
+    kx, kw, kdy = operand_keys(key)  # as jax_fp4.dense splits it
     x2 = jax.lax.stop_gradient(x.reshape(-1, x.shape[-1]))
     fwd = _forward_stats(x2, jax.lax.stop_gradient(kernel), recipe, kx, kw)
     return _record(recipe, y, probe, fwd, kdy)

@@ -41,7 +41,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_fp4.dense import RESIDUAL_NAMES, _dtype_tag, _keys
+from jax_fp4._src.vjp_util import dtype_tag, operand_keys
+from jax_fp4.dense import RESIDUAL_NAMES
 from jax_fp4.gemm import exact_operand
 from jax_fp4.grouped import grouped_dequantize, grouped_quantize_rowwise_columnwise
 from jax_fp4.grouped_array import GroupedQuantizedArray
@@ -126,13 +127,13 @@ def _ragged(recipe, x, w, group_sizes, key):
 
 
 def _ragged_fwd(recipe, x, w, group_sizes, key):
-    kx, kw, kdy = _keys(key)
+    kx, kw, kdy = operand_keys(key)
     x_fprop, x_wgrad = _grouped_pair(x, group_sizes, recipe.fprop_x, recipe.wgrad_x, kx)
     w_dgrad, w_fprop = _weight_pair(w, recipe.dgrad_w, recipe.fprop_w, kw)
     y = _product(x_fprop, w_fprop, group_sizes, FPROP_DIMS)
     res = (jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[0]), x_wgrad),
            jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[1]), w_dgrad),
-           group_sizes, kdy, _dtype_tag(x), _dtype_tag(w))
+           group_sizes, kdy, dtype_tag(x), dtype_tag(w))
     return y.astype(jnp.result_type(x, w)), res
 
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes, initializers
 
-from jax_fp4.flax.nnx import RngsLike, _check_recipe, _norm, _quantize_key, _quantize_stream, _split_rngs
+from jax_fp4.flax.nnx_layers import RngsLike, check_recipe, make_norm, quantize_key, quantize_stream, split_rngs
 from jax_fp4.grouped_gemm import ragged_dot
 from jax_fp4.recipes import Recipe
 
@@ -115,7 +115,7 @@ class MoEMLP(nnx.Module):
                  epsilon: float = 1e-6, alignment: int | None = None, router_dtype: tp.Any = jnp.bfloat16,
                  dtype: tp.Any = None, param_dtype: tp.Any = jnp.float32,
                  kernel_init: tp.Callable = default_expert_init, rng_collection: str = "quantize", rngs: nnx.Rngs):
-        _check_recipe(recipe, "jax_fp4.flax.moe.MoEMLP")
+        check_recipe(recipe, "jax_fp4.flax.moe.MoEMLP")
         if activation not in ACTIVATIONS:
             raise ValueError(f"MoEMLP: activation must be one of {ACTIVATIONS}, got {activation!r}")
         if not 1 <= top_k <= num_experts:
@@ -129,7 +129,7 @@ class MoEMLP(nnx.Module):
         self.recipe, self.top_k, self.num_experts, self.activation = recipe, top_k, num_experts, activation
         self.alignment, self.dtype, self.rng_collection = alignment, dtype, rng_collection
         self.hidden_features, self.out_features = hidden_features, out_features
-        self.norm = (_norm(norm, in_features, epsilon, dtype, param_dtype, rngs) if norm is not None
+        self.norm = (make_norm(norm, in_features, epsilon, dtype, param_dtype, rngs) if norm is not None
                      else nnx.data(None))
         self.router = nnx.Linear(in_features, num_experts, use_bias=False, dtype=router_dtype,
                                  param_dtype=param_dtype, rngs=rngs)
@@ -138,7 +138,7 @@ class MoEMLP(nnx.Module):
                           rngs=rngs)
         self.down = Experts(num_experts, hidden_features, out_features, kernel_init=kernel_init,
                             param_dtype=param_dtype, rngs=rngs)
-        self.rngs: nnx.RngStream | None = _quantize_stream(recipe, rngs, rng_collection, "MoEMLP")
+        self.rngs: nnx.RngStream | None = quantize_stream(recipe, rngs, rng_collection, "MoEMLP")
 
     def route(self, x2):
         """Router of tokens x2 [T, D]: (probs float32 [T, E], top-k weights float32 [T, k], experts int32 [T, k])."""
@@ -155,8 +155,8 @@ class MoEMLP(nnx.Module):
         rows, sizes, capacity = dispatch(experts, self.num_experts, self.alignment)
         up, down = self.up.kernel[...], self.down.kernel[...]
         x2, up, down = dtypes.promote_dtype((x2, up, down), dtype=self.dtype)
-        key = _quantize_key(self, rngs)
-        k_up, k_down = (None, None) if key is None else _split_rngs(key, 2)
+        key = quantize_key(self, rngs)
+        k_up, k_down = (None, None) if key is None else split_rngs(key, 2)
         # Token of every buffer row (t = padding: a zero row), then the gather (its gradient: a scatter-add).
         src = jnp.full((capacity,), t, jnp.int32).at[rows.reshape(-1)].set(
             jnp.repeat(jnp.arange(t, dtype=jnp.int32), self.top_k))

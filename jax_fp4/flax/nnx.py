@@ -30,6 +30,8 @@ from flax.nnx.nn import dtypes, initializers
 
 from jax_fp4 import diagnostics as _diagnostics
 from jax_fp4.dense import dense
+from jax_fp4.flax.nnx_layers import NORMS as NORMS  # the norm kinds the layers accept
+from jax_fp4.flax.nnx_layers import RngsLike, check_recipe, make_norm, quantize_key, quantize_stream, split_rngs
 from jax_fp4.recipes import Recipe
 
 __all__ = ["Dense", "LayerNormDense", "LayerNormMLP"]
@@ -37,63 +39,6 @@ __all__ = ["Dense", "LayerNormDense", "LayerNormMLP"]
 default_kernel_init = initializers.lecun_normal()
 default_bias_init = initializers.zeros_init()
 ACTIVATIONS = ("gelu", "swiglu")
-NORMS = ("layernorm", "rmsnorm")
-
-RngsLike = nnx.Rngs | nnx.RngStream | jax.Array | None
-
-
-def _check_recipe(recipe, where):
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"{where}: recipe must be a jax_fp4.recipes.Recipe (e.g. recipes.NVFP4()), got "
-                        f"{type(recipe).__name__}")
-
-
-def _split_rngs(rngs: RngsLike, n: int) -> list[RngsLike]:
-    """n call-time rngs for n sub-layers: Rngs / RngStream / None are shared (each draw is fresh), a key is split."""
-    if isinstance(rngs, jax.Array):
-        return list(jax.random.split(rngs, n))
-    return [rngs] * n
-
-
-def _quantize_stream(recipe: Recipe, rngs: nnx.Rngs, rng_collection: str, where: str):
-    """A layer's own stochastic-rounding stream: when ``recipe.needs_key``, an ``nnx.RngStream`` tagged
-    `rng_collection`, seeded from ``rngs[rng_collection]`` (``rngs.default`` when there is no such stream; ValueError
-    naming `where` when neither exists); else ``nnx.data(None)``."""
-    if not recipe.needs_key:
-        return nnx.data(None)
-    try:
-        parent = rngs[rng_collection]
-    except KeyError:
-        raise ValueError(f"{where}: recipe {recipe.name!r} uses stochastic rounding and needs an rng stream "
-                         f"{rng_collection!r} (or 'default'), e.g. nnx.Rngs(0) or "
-                         f"nnx.Rngs(params=0, {rng_collection}=1)") from None
-    return nnx.RngStream(parent(), tag=rng_collection)
-
-
-def _quantize_key(layer, rngs: RngsLike):
-    """The stochastic-rounding key of one call of `layer` (a module with ``recipe``, ``rngs`` from `_quantize_stream`
-    and ``rng_collection``): None when the recipe needs none, else a fresh draw from the call's `rngs` (Rngs: its
-    ``rng_collection`` stream; RngStream; a key, used as is), or from the layer's own stream when `rngs` is None."""
-    if not layer.recipe.needs_key:
-        return None
-    rngs = layer.rngs if rngs is None else rngs
-    if isinstance(rngs, nnx.Rngs):
-        return rngs[layer.rng_collection]()
-    if isinstance(rngs, nnx.RngStream):
-        return rngs()
-    if isinstance(rngs, jax.Array):
-        return rngs
-    raise TypeError(f"rngs must be an nnx.Rngs, nnx.RngStream or a PRNG key, got {type(rngs).__name__}")
-
-
-def _norm(kind, num_features, epsilon, dtype, param_dtype, rngs):
-    if kind == "layernorm":
-        return nnx.LayerNorm(num_features, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    if kind == "rmsnorm":
-        return nnx.RMSNorm(num_features, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    raise ValueError(f"norm must be one of {NORMS}, got {kind!r}")
-
-
 class Dense(nnx.Module):
     """y = x @ kernel + bias over x's last axis, the GEMMs quantized as `recipe` says (`jax_fp4.dense`).
 
@@ -140,7 +85,7 @@ class Dense(nnx.Module):
         kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
         bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
     ):
-        _check_recipe(recipe, "jax_fp4.flax.nnx.Dense")
+        check_recipe(recipe, "jax_fp4.flax.nnx.Dense")
         self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features), param_dtype), **kernel_metadata)
         self.bias: nnx.Param | None
         if use_bias:
@@ -155,7 +100,7 @@ class Dense(nnx.Module):
         self.param_dtype = param_dtype
         self.promote_dtype = promote_dtype
         self.rng_collection = rng_collection
-        self.rngs: nnx.RngStream | None = _quantize_stream(recipe, rngs, rng_collection, "jax_fp4.flax.nnx.Dense")
+        self.rngs: nnx.RngStream | None = quantize_stream(recipe, rngs, rng_collection, "jax_fp4.flax.nnx.Dense")
 
     def __call__(self, x: jax.Array, *, rngs: RngsLike = None) -> jax.Array:
         kernel = self.kernel[...]
@@ -163,9 +108,9 @@ class Dense(nnx.Module):
         x, kernel, bias = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
         probe = getattr(self, "quant_probe", None)  # set by jax_fp4.flax.diagnostics.instrument
         if probe is not None:
-            return _diagnostics.dense(x, kernel, bias, recipe=self.recipe, key=_quantize_key(self, rngs),
+            return _diagnostics.dense(x, kernel, bias, recipe=self.recipe, key=quantize_key(self, rngs),
                                       probe=probe[...])
-        return dense(x, kernel, bias, recipe=self.recipe, key=_quantize_key(self, rngs))
+        return dense(x, kernel, bias, recipe=self.recipe, key=quantize_key(self, rngs))
 
 
 class LayerNormDense(nnx.Module):
@@ -187,8 +132,8 @@ class LayerNormDense(nnx.Module):
                  epsilon: float = 1e-6, use_bias: bool = True, dtype: tp.Any = None,
                  param_dtype: tp.Any = jnp.float32, kernel_init: tp.Callable = default_kernel_init,
                  bias_init: tp.Callable = default_bias_init, rng_collection: str = "quantize", rngs: nnx.Rngs):
-        _check_recipe(recipe, "jax_fp4.flax.nnx.LayerNormDense")
-        self.norm = _norm(norm, in_features, epsilon, dtype, param_dtype, rngs)
+        check_recipe(recipe, "jax_fp4.flax.nnx.LayerNormDense")
+        self.norm = make_norm(norm, in_features, epsilon, dtype, param_dtype, rngs)
         self.dense = Dense(in_features, out_features, recipe=recipe, use_bias=use_bias, dtype=dtype,
                            param_dtype=param_dtype, kernel_init=kernel_init, bias_init=bias_init,
                            rng_collection=rng_collection, rngs=rngs)
@@ -233,7 +178,7 @@ class LayerNormMLP(nnx.Module):
                  kernel_init: tp.Callable = default_kernel_init, bias_init: tp.Callable = default_bias_init,
                  rng_collection: str = "quantize", rngs: nnx.Rngs, down_kernel_init: tp.Callable | None = None,
                  down_bias_init: tp.Callable | None = None):
-        _check_recipe(recipe, "jax_fp4.flax.nnx.LayerNormMLP")
+        check_recipe(recipe, "jax_fp4.flax.nnx.LayerNormMLP")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         out_features = in_features if out_features is None else out_features
@@ -241,14 +186,14 @@ class LayerNormMLP(nnx.Module):
         self.hidden_features = hidden_features
         common = dict(recipe=recipe, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
                       bias_init=bias_init, rng_collection=rng_collection, rngs=rngs)
-        self.norm = _norm(norm, in_features, epsilon, dtype, param_dtype, rngs)
+        self.norm = make_norm(norm, in_features, epsilon, dtype, param_dtype, rngs)
         self.up = Dense(in_features, hidden_features * (2 if activation == "swiglu" else 1), **common)
         common["kernel_init"] = kernel_init if down_kernel_init is None else down_kernel_init
         common["bias_init"] = bias_init if down_bias_init is None else down_bias_init
         self.down = Dense(hidden_features, out_features, **common)
 
     def __call__(self, x: jax.Array, *, rngs: RngsLike = None) -> jax.Array:
-        r_up, r_down = _split_rngs(rngs, 2)
+        r_up, r_down = split_rngs(rngs, 2)
         h = self.up(self.norm(x), rngs=r_up)
         if self.activation == "swiglu":
             gate, linear = jnp.split(h, 2, axis=-1)

@@ -29,7 +29,8 @@ from flax import nnx
 
 from jax_fp4.flax import make_dot_general
 from jax_fp4.flax.moe import MoEMLP, group_alignment
-from jax_fp4.flax.nnx import Dense, _quantize_stream
+from jax_fp4.flax.nnx import Dense
+from jax_fp4.flax.nnx_layers import quantize_stream
 from jax_fp4.policy import Policy, format_table, path_str, recording
 from jax_fp4.recipes import Recipe
 
@@ -129,7 +130,7 @@ def apply(policy: Policy, model, *, drop_in: bool = False, rngs: nnx.Rngs | None
                                  "rounding, but was built with a deterministic recipe (no rng stream); "
                                  + ("build the stack with a stochastic-rounding recipe" if stacked else
                                     "pass rngs=nnx.Rngs(quantize=seed) to apply"))
-            node.rngs = _quantize_stream(recipe, rngs, node.rng_collection, f"policy.apply({p!r})")
+            node.rngs = quantize_stream(recipe, rngs, node.rng_collection, f"policy.apply({p!r})")
         if isinstance(node, MoEMLP) and node.alignment % group_alignment(recipe):
             node.alignment = math.lcm(node.alignment, group_alignment(recipe))
         node.recipe = recipe
