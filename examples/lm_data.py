@@ -1,6 +1,8 @@
 """Byte-level text data for train_lm.py: a corpus split into train / validation and deterministic batches.
 
 Corpora:
+  * ``load_site_packages()``: every ``.py`` file under the interpreter's site-packages (the installed libraries'
+    sources; ~90 MB with jax, flax and their dependencies), split by file like the stdlib; the medium preset's.
   * default: the Python standard library's own ``.py`` sources on this machine (``sysconfig.get_paths()["stdlib"]``,
     site-packages / dist-packages left out), no download. Split by file: a file is validation when the CRC-32 of its
     path relative to the stdlib root is 0 mod 10 (about 10% of the files, the same on every machine with the same
@@ -41,10 +43,13 @@ def stdlib_root() -> Path:
 
 def stdlib_files(root: Path | None = None) -> list[Path]:
     """The standard library's .py files under root (sorted relative paths), site-packages excluded."""
-    root = stdlib_root() if root is None else Path(root)
+    return _py_files(stdlib_root() if root is None else Path(root), _SKIP_DIRS)
+
+
+def _py_files(root: Path, skip: set[str]) -> list[Path]:
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        dirnames[:] = sorted(d for d in dirnames if d not in skip)
         rel = Path(dirpath).relative_to(root)
         found += [rel / f for f in sorted(filenames) if f.endswith(".py")]
     return found
@@ -55,24 +60,45 @@ def is_validation_file(relpath: Path) -> bool:
     return zlib.crc32(relpath.as_posix().encode()) % round(1 / VAL_FRACTION) == 0
 
 
+def _load_files(roots_files, what: str) -> Corpus:
+    """The files (root, relative path) concatenated in order, each followed by a newline, split by file."""
+    parts = {True: [], False: []}
+    for root, rel in roots_files:
+        try:
+            parts[is_validation_file(rel)].append((root / rel).read_bytes() + b"\n")
+        except OSError:  # unreadable file: skip it
+            continue
+    if not parts[True] or not parts[False]:
+        raise FileNotFoundError(f"too few .py files in {what} for a train/validation split; pass --data FILE")
+    train, val = (np.frombuffer(b"".join(parts[v]), np.uint8) for v in (False, True))
+    desc = (f"{what}: {len(roots_files)} .py files, {train.size / 1e6:.1f} MB train / {val.size / 1e6:.1f} MB "
+            "validation (split by file)")
+    return Corpus(train, val, desc)
+
+
 def load_stdlib(root: Path | None = None) -> Corpus:
     """The stdlib sources, split by file; files are concatenated in sorted order, each followed by a newline."""
     root = stdlib_root() if root is None else Path(root)
     files = stdlib_files(root)
     if not files:
         raise FileNotFoundError(f"no .py files under {root} (the Python standard library); pass --data FILE")
-    parts = {True: [], False: []}
-    for rel in files:
-        try:
-            parts[is_validation_file(rel)].append((root / rel).read_bytes() + b"\n")
-        except OSError:  # unreadable file: skip it
-            continue
-    if not parts[True] or not parts[False]:
-        raise FileNotFoundError(f"too few .py files under {root} for a train/validation split; pass --data FILE")
-    train, val = (np.frombuffer(b"".join(parts[v]), np.uint8) for v in (False, True))
-    desc = (f"Python {sysconfig.get_python_version()} stdlib at {root}: {len(files)} .py files, "
-            f"{train.size / 1e6:.1f} MB train / {val.size / 1e6:.1f} MB validation (split by file)")
-    return Corpus(train, val, desc)
+    return _load_files([(root, f) for f in files], f"Python {sysconfig.get_python_version()} stdlib at {root}")
+
+
+def site_packages_roots() -> list[Path]:
+    """The interpreter's site-packages directories (sysconfig purelib and platlib, deduplicated, existing)."""
+    paths = sysconfig.get_paths()
+    return [Path(p) for p in dict.fromkeys((paths["purelib"], paths["platlib"])) if Path(p).is_dir()]
+
+
+def load_site_packages(roots: list[Path] | None = None) -> Corpus:
+    """Every .py file under the interpreter's site-packages (the installed libraries' sources, no download), split
+    by file like the stdlib (CRC-32 of the path relative to its site-packages directory)."""
+    roots = site_packages_roots() if roots is None else [Path(r) for r in roots]
+    files = [(r, f) for r in roots for f in _py_files(r, {"__pycache__"})]
+    if not files:
+        raise FileNotFoundError(f"no .py files under {', '.join(map(str, roots)) or 'site-packages'}; pass --data")
+    return _load_files(files, f"site-packages ({', '.join(map(str, roots))})")
 
 
 def load_text_file(path) -> Corpus:

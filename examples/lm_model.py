@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing as tp
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +55,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_fp4.flax import diagnostics as fdiag
 from jax_fp4.flax import nnx as fnnx
+from jax_fp4.flax import policy as fpolicy
 from jax_fp4.flax.moe import MoEMLP
 from jax_fp4.formats import NVFP4 as NVFP4Format
 from jax_fp4.recipes import BF16, Recipe
@@ -113,6 +116,11 @@ def expert_recipe(recipe: Recipe) -> Recipe:
     return dataclasses.replace(recipe, name=f"{recipe.name}-experts", **fmts) if fmts else recipe
 
 
+def attention_implementation():
+    """"cudnn" (the fused flash-attention kernel) when the default backend is a GPU, else None (XLA's)."""
+    return "cudnn" if jax.default_backend() == "gpu" else None
+
+
 def rope(x, base):
     """Rotary position embedding of x [B, T, H, Dh] (pairs (i, i + Dh/2) rotated by position / base^(2i/Dh))."""
     _, t, _, dh = x.shape
@@ -162,7 +170,7 @@ class Block(nnx.Module):
         if self.heads is not None:
             q, k, v = (jax.lax.with_sharding_constraint(a, self.heads) for a in (q, k, v))
         q, k = rope(q, self.cfg.rope_base), rope(k, self.cfg.rope_base)
-        a = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [B, T, H, Dh], bfloat16
+        a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_implementation())
         x = x + self.out(a.reshape(b, t, d))
         if self.cfg.moe:
             y, aux = self.mlp(x, return_aux_loss=True)
@@ -313,27 +321,35 @@ def state_shardings(state, mesh):
     return nnx.get_named_sharding(state, mesh)
 
 
-def make_train_step(graphdef, state=None, mesh=None):
+def make_train_step(graphdef, state=None, mesh=None, diagnostics: bool = False):
     """train_step(state, batch) -> (state, {"loss", "aux_loss"}): ONE jax.jit of forward, backward (quantized GEMMs
     per the recipe, fresh stochastic-rounding keys from the layers' rng streams, whose counters live in `state`),
     clipping and the AdamW update, on the functional state (model, optimizer) of `nnx.split`. loss: the cross-entropy,
     aux_loss: the mean MoE load-balancing loss (0 without MoE), both of the parameters before the update (the gradient
     is that of `loss_fn`, which adds the weighted aux_loss); the input state's buffers are donated.
 
+    diagnostics: the step also returns {layer path: float32 [..., 6, 6]}, the quantization statistics of every
+    jax_fp4 Dense layer's six GEMM operands (`jax_fp4.flax.diagnostics.value_and_grad`; the same update).
+
     With a mesh, the step is jitted with in / out shardings: `state` (an example state, for its annotations) keeps
     `state_shardings`, the batch `batch_sharding`, the losses are replicated."""
 
     def train(state, batch):
         model, opt = nnx.merge(graphdef, state)
-        (_, (ce, aux)), grads = nnx.value_and_grad(loss_terms, has_aux=True)(model, batch)
+        if diagnostics:
+            (_, (ce, aux)), grads, stats = fdiag.value_and_grad(loss_terms, has_aux=True)(model, batch)
+        else:
+            (_, (ce, aux)), grads = nnx.value_and_grad(loss_terms, has_aux=True)(model, batch)
         opt.update(model, grads)
-        return nnx.state((model, opt)), {"loss": ce, "aux_loss": aux}
+        losses = {"loss": ce, "aux_loss": aux}
+        return (nnx.state((model, opt)), losses, stats) if diagnostics else (nnx.state((model, opt)), losses)
 
     if mesh is None:
         return jax.jit(train, donate_argnums=0)
     shardings = state_shardings(state, mesh)
+    rep = NamedSharding(mesh, P())  # P(): every loss and statistic
     return jax.jit(train, in_shardings=(shardings, batch_sharding(mesh)),
-                   out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)  # P(): every loss
+                   out_shardings=(shardings, rep, rep) if diagnostics else (shardings, rep), donate_argnums=0)
 
 
 def build(cfg: ModelConfig, recipe: Recipe, opt_cfg: OptConfig, seed: int, mesh=None):
@@ -347,6 +363,57 @@ def build(cfg: ModelConfig, recipe: Recipe, opt_cfg: OptConfig, seed: int, mesh=
     return graphdef, state, make_train_step(graphdef, state, mesh)
 
 
+@dataclasses.dataclass
+class Phases:
+    """A model trained under one policy per phase (`build_phases`): graphdefs[i] is the module definition of phase i
+    (the layers' recipes), all over the same `state`; steps[i] / diag_steps[i] its compiled train steps (jitted on
+    first use); tables[i] its layer -> recipe table."""
+
+    graphdefs: list
+    state: tp.Any
+    steps: list
+    diag_steps: list
+    tables: list
+
+
+def build_phases(cfg: ModelConfig, recipe: Recipe, policies, opt_cfg: OptConfig, seed: int, mesh=None) -> Phases:
+    """A fresh model and AdamW state trained with `recipe`, the layers' recipes set per phase by `policies` (a
+    sequence of `jax_fp4.policy.Policy`, e.g. the two phases of a `jax_fp4.schedule.PrecisionSwitch`).
+
+    MoE blocks' MLPs take the policy's recipe for their path through `expert_recipe`. A phase whose recipe needs
+    stochastic rounding where the model's does not gets rng streams seeded from seed + 2 (unscanned blocks).
+
+    Raises:
+      jax_fp4.policy.UnmatchedRuleError: a rule matches no layer (e.g. per-block rules on scanned blocks).
+      ValueError: the phases' states differ (cannot happen unless a scanned layer needs a new rng stream).
+    """
+    model = make_model(cfg, recipe, seed, mesh)
+    rngs = nnx.Rngs(quantize=seed + 2)
+    for pol in policies:  # first pass: every rng stream any phase needs exists in every phase
+        _apply_policy(pol, model, rngs)
+    opt = nnx.Optimizer(model, make_optimizer(opt_cfg), wrt=nnx.Param)
+    graphdefs, tables, state = [], [], None
+    for pol in policies:
+        _apply_policy(pol, model, rngs)
+        tables.append(fpolicy.describe(pol, model))
+        graphdef, st = nnx.split((model, opt))
+        if state is not None and jax.tree.structure(st) != jax.tree.structure(state):
+            raise ValueError("build_phases: the phases' states differ")
+        graphdefs.append(graphdef)
+        state = st
+    if mesh is not None:
+        state = jax.device_put(state, state_shardings(state, mesh))
+    return Phases(graphdefs, state, [make_train_step(g, state, mesh) for g in graphdefs],
+                  [make_train_step(g, state, mesh, diagnostics=True) for g in graphdefs], tables)
+
+
+def _apply_policy(policy, model, rngs):
+    fpolicy.apply(policy, model, rngs=rngs)
+    for _, node in nnx.iter_graph(model):  # grouped quantize has no 1x64 encode: see expert_recipe
+        if isinstance(node, MoEMLP) and expert_recipe(node.recipe) != node.recipe:
+            node.recipe = expert_recipe(node.recipe)
+
+
 def count_params(cfg: ModelConfig, active: bool = False) -> int:
     """Parameters of the model; active: those one token uses (top_k of the experts' weights)."""
     model = nnx.eval_shape(lambda: make_model(cfg, BF16(), 0))
@@ -355,3 +422,13 @@ def count_params(cfg: ModelConfig, active: bool = False) -> int:
         per_expert = cfg.n_layers * 2 * cfg.d_model * cfg.mlp_ratio * cfg.d_model  # up [d, h] + down [h, d]
         n -= (cfg.moe_experts - cfg.moe_top_k) * per_expert
     return n
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Model FLOPs of one training token (forward + backward), the PaLM / Chinchilla count used for MFU:
+    6 x (the GEMM weights one token uses: qkv, out, MLP (top_k experts with MoE), router, logits head) + the attention
+    products 12 x n_layers x d_model x seq (q.k^T and p.v, forward and backward, causal mask not discounted)."""
+    d, L = cfg.d_model, cfg.n_layers
+    mlp = 2 * d * cfg.mlp_ratio * d * (cfg.moe_top_k if cfg.moe else 1) + (d * cfg.moe_experts if cfg.moe else 0)
+    gemm = L * (3 * d * d + 3 * d + d * d + mlp) + d * cfg.vocab
+    return 6.0 * gemm + 12.0 * L * d * cfg.seq

@@ -54,6 +54,7 @@ from jax_fp4 import recipes
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, also under python -P
 import lm_data  # noqa: E402
 import lm_model  # noqa: E402
+import lm_precision  # noqa: E402
 
 PRESETS = {
     # tiny: two CPU cores, ~1 min per quantized recipe (mostly XLA compiling the bit-exact reference kernels)
@@ -62,8 +63,13 @@ PRESETS = {
     # small: one H100 GPU; sized so that --compare (5 recipes x 2000 steps) stays within about 8 minutes
     "small": dict(d_model=384, layers=4, head_dim=64, seq=256, batch=32, steps=2000, lr=1e-3, warmup=100,
                   eval_every=250, eval_batches=8, log_every=25, ckpt_every=1000, scan=True),
+    # medium: one GPU, 85.5M parameters (12 x 12 d_model^2 + embedding and head), 32k tokens per step on the
+    # site-packages corpus (~65M tokens in 2000 steps, so the model does not run through its data many times)
+    "medium": dict(d_model=768, layers=12, head_dim=64, seq=512, batch=64, steps=2000, lr=6e-4, warmup=200,
+                   eval_every=250, eval_batches=8, log_every=25, ckpt_every=1000, scan=True, corpus="site-packages"),
 }
-CSV_FIELDS = ("step", "recipe", "train_loss", "val_loss", "tokens_per_s", "aux_loss")
+CORPORA = ("stdlib", "site-packages")
+CSV_FIELDS = ("step", "recipe", "train_loss", "val_loss", "tokens_per_s", "aux_loss", "phase")
 MOE_EXPERTS, MOE_TOP_K, MOE_AUX_WEIGHT = 8, 2, 0.01  # --moe's defaults
 
 
@@ -129,6 +135,14 @@ def _nonnegative_float(s):
     return v
 
 
+def _recipe_list(s):
+    names = [n.strip() for n in s.split(",") if n.strip()]
+    bad = [n for n in names if n not in recipes.RECIPES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown recipe(s) {bad or s!r}; choose from {sorted(recipes.RECIPES)}")
+    return list(dict.fromkeys(names))
+
+
 def _existing_file(s):
     if not Path(s).is_file():
         raise argparse.ArgumentTypeError(f"no such file: {s}")
@@ -143,6 +157,8 @@ def make_parser() -> argparse.ArgumentParser:
     which.add_argument("--recipe", choices=sorted(recipes.RECIPES), default="nvfp4",
                        help="the jax_fp4 training recipe of the quantized layers (default nvfp4)")
     which.add_argument("--compare", action="store_true", help="train every recipe (bf16 first), same seed and data")
+    which.add_argument("--recipes", type=_recipe_list, metavar="R1,R2,...",
+                       help="train these recipes (comma-separated, in this order), same seed and data")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model and run size (default tiny)")
     p.add_argument("--steps", type=_int_at_least(1), help="training steps per recipe (default: the preset's)")
     p.add_argument("--batch", type=_int_at_least(1), help="sequences per batch (batch x seq: a multiple of 128)")
@@ -167,9 +183,14 @@ def make_parser() -> argparse.ArgumentParser:
                    help=f"with --moe: weight of the load-balancing loss (default {MOE_AUX_WEIGHT}; 0: none)")
     p.add_argument("--seed", type=int, default=0, help="initialization and data-order seed (default 0)")
     p.add_argument("--data", type=_existing_file, help="train on this text file instead of the Python stdlib")
+    p.add_argument("--corpus", choices=CORPORA, help="the embedded corpus: the stdlib's .py files, or every .py under "
+                                                     "site-packages (default: the preset's, stdlib for tiny / small)")
+    p.add_argument("--stop-at", type=_int_at_least(1), metavar="STEP",
+                   help="stop after this step (checkpointing) of a --steps long run; continue later with --resume")
     p.add_argument("--out", type=Path, help="output directory (default runs/<preset>)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoints in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    lm_precision.add_arguments(p)
     return p
 
 
@@ -179,9 +200,18 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     v = dict(PRESETS[args.preset])
     for k in ("steps", "batch", "seq", "d_model", "layers", "lr", "warmup", "eval_every", "eval_batches", "log_every",
-              "ckpt_every", "scan"):
+              "ckpt_every", "scan", "corpus"):
         if getattr(args, k) is not None:
             v[k] = getattr(args, k)
+    args.corpus = v.get("corpus", "stdlib")
+    lm_precision.check(parser, args, v["layers"])
+    if lm_precision.block_flags(args) and v["scan"]:
+        if args.scan:
+            parser.error("per-block precision flags need unscanned blocks: drop --scan")
+        v["scan"] = False  # a scanned stack has one recipe for all its blocks
+        print("note: per-block precision flags: the blocks are not scanned (--no-scan)")
+    if args.stop_at is not None and args.stop_at > v["steps"]:
+        parser.error(f"--stop-at {args.stop_at} is beyond --steps {v['steps']}")
     if (v["batch"] * v["seq"]) % 128:
         parser.error(f"--batch {v['batch']} x --seq {v['seq']} = {v['batch'] * v['seq']} tokens per batch: must be a "
                      "multiple of 128 (the quantized GEMMs block the token axis in the weight gradient)")
@@ -210,9 +240,11 @@ def parse_args(argv=None):
                     eval_every=v["eval_every"], eval_batches=v["eval_batches"], log_every=v["log_every"],
                     ckpt_every=v["ckpt_every"], seed=args.seed, mesh=args.mesh)
     args.out = args.out if args.out is not None else Path("runs") / args.preset
-    names = ["bf16"] + sorted(n for n in recipes.RECIPES if n != "bf16") if args.compare else [args.recipe]
-    if args.resume and not any(latest_step(args.out / "checkpoints" / n) is not None for n in names):
-        parser.error(f"--resume: no checkpoint of {', '.join(names)} under {args.out / 'checkpoints'}")
+    names = (["bf16"] + sorted(n for n in recipes.RECIPES if n != "bf16") if args.compare else
+             args.recipes if args.recipes else [args.recipe])
+    runs = [lm_precision.run_name(n, args, seed) for seed in (args.seeds or [None]) for n in names]
+    if args.resume and not any(latest_step(args.out / "checkpoints" / n) is not None for n in runs):
+        parser.error(f"--resume: no checkpoint of {', '.join(runs)} under {args.out / 'checkpoints'}")
     return args, cfg, names
 
 
@@ -276,11 +308,23 @@ def restore_checkpoint(mgr, step: int, state):
 
 # ---- training --------------------------------------------------------------------------------------------------------
 def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, resume: bool = False,
-                 progress: bool = True):
-    """Train one recipe; returns (curve rows, summary dict). Checkpoints go to out/checkpoints/<name>."""
+                 progress: bool = True, *, run: str | None = None, policy=None, switch=None, diagnostics: int = 0,
+                 stop_at: int | None = None):
+    """Train one run of recipe `name`; returns (curve rows, summary dict, diagnostics rows). Checkpoints go to
+    out/checkpoints/<run> (run: the run's name, default `name`).
+
+    policy: a `jax_fp4.policy.Policy` with the recipe as default (None: every layer the recipe); switch: a
+    `jax_fp4.schedule.PrecisionSwitch` (None: one phase): each phase is its own compiled step over the same state,
+    chosen by the step number, so the run compiles again once at the switch. diagnostics N > 0: every N-th step runs
+    the diagnostics step (the same update, also returning the per-layer quantization statistics). stop_at: stop after
+    that step (a checkpoint is written there)."""
     from tqdm.auto import tqdm
 
+    from jax_fp4 import diagnostics as qdiag
+    from jax_fp4 import policy as qpolicy
+
     wall = time.perf_counter()
+    run = name if run is None else run
     recipe = recipes.by_name(name)
     mesh = lm_model.make_mesh(*cfg.mesh) if cfg.mesh is not None else None
     for note in lm_model.mesh_notes(cfg.model, recipe, cfg.mesh[1]) if cfg.mesh is not None else []:
@@ -288,55 +332,86 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     if cfg.model.moe and lm_model.expert_recipe(recipe) != recipe:
         print(f"note: {name}: the experts' token operands use 1D NVFP4 (1x16 blocks, one tensor scale per expert "
               "group): grouped quantize has no 1x64 encode")
-    graphdef, state, train_step = lm_model.build(
-        cfg.model, recipe, lm_model.OptConfig(lr=cfg.lr, warmup=cfg.warmup, steps=cfg.steps), cfg.seed, mesh)
+    policy = qpolicy.uniform(recipe) if policy is None else policy
+    policies = (policy,) if switch is None or not recipe.quantized else switch.phases(policy)
+    switch = switch if len(policies) > 1 else None
+    ph = lm_model.build_phases(cfg.model, recipe, policies, lm_model.OptConfig(lr=cfg.lr, warmup=cfg.warmup,
+                                                                                 steps=cfg.steps), cfg.seed, mesh)
+    state = ph.state
+    if policy.rules or switch is not None:
+        for i, table in enumerate(ph.tables):
+            what = "" if switch is None else (" before the switch" if i == 0 else f" after the switch ("
+                                              f"{switch.describe(cfg.steps)})")
+            print(f"{run}: layer recipes{what}:\n{table}")
+    phase_of = (lambda step: 0) if switch is None else (lambda step: switch.phase(step, cfg.steps))  # noqa: E731
+    switch_desc = None if switch is None else switch.describe(cfg.steps)
     tokens = cfg.batch * cfg.model.seq
     val = lm_data.val_batches(corpus, cfg.eval_batches, cfg.batch, cfg.model.seq)
 
-    def evaluate(state):
+    def evaluate(state, step):
         # The training step's loss is that of the parameters before its update: run it on a copy of the state (the
         # step donates its input) and drop the update. One compiled program per recipe instead of two (on the CPU a
         # separate forward program costs as much XLA compile time as the whole step).
-        losses = [train_step(jax.tree.map(jnp.copy, state), b)[1]["loss"] for b in val]
+        losses = [ph.steps[phase_of(step)](jax.tree.map(jnp.copy, state), b)[1]["loss"] for b in val]
         return float(np.mean([float(v) for v in losses]))
 
-    ckdir = out / "checkpoints" / name
-    rows, start, timed = [], 0, {"seconds": 0.0, "steps": 0}
+    ckdir = out / "checkpoints" / run
+    rows, start, timed, drows = [], 0, {"seconds": 0.0, "steps": 0, "diag_seconds": 0.0, "diag_steps": 0}, []
     if resume and latest_step(ckdir) is not None:
         mgr = _checkpointer(ckdir)
         meta = restore_meta(mgr, mgr.latest_step())  # checked first: another model's state would not restore
-        if meta["config"] != cfg.resume_key():
+        if meta["config"] != cfg.resume_key() or meta.get("switch") != switch_desc:
             flat = lambda d: {**{k: v for k, v in d.items() if k != "model"}, **d["model"]}  # noqa: E731
-            old, new = flat(meta["config"]), flat(cfg.resume_key())
+            old = {**flat(meta["config"]), "switch": meta.get("switch")}
+            new = {**flat(cfg.resume_key()), "switch": switch_desc}
             diff = ", ".join(f"{k} {old.get(k)} (now {new.get(k)})" for k in dict.fromkeys([*new, *old])
                              if old.get(k) != new.get(k))
             mgr.close()
             raise SystemExit(f"--resume: {ckdir} was written with {diff}; use the same preset and overrides, or "
                              "another --out")
         state, meta = restore_checkpoint(mgr, mgr.latest_step(), state)
-        start, rows, timed = meta["step"], meta["rows"], meta["timed"]
-        print(f"{name}: resumed from {ckdir} at step {start}")
+        start, rows, timed = meta["step"], meta["rows"], {**timed, **meta["timed"]}
+        drows = meta.get("diagnostics", [])
+        print(f"{run}: resumed from {ckdir} at step {start} (phase {meta.get('phase', 0)})")
     else:
-        shutil.rmtree(ckdir, ignore_errors=True)  # a fresh run replaces this recipe's old checkpoints
+        shutil.rmtree(ckdir, ignore_errors=True)  # a fresh run replaces this run's old checkpoints
         mgr = _checkpointer(ckdir)
 
-    bar = tqdm(total=cfg.steps, initial=min(start, cfg.steps), desc=f"{name:>19}", unit="step", disable=not progress,
+    stop = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
+    bar = tqdm(total=cfg.steps, initial=min(start, cfg.steps), desc=f"{run:>19}", unit="step", disable=not progress,
                dynamic_ncols=True, mininterval=0.5)
     moe = cfg.model.moe
-    pending, interval, t0 = [], 0, None
-    for step in range(start, cfg.steps):
+    pending, interval, t0, compiled = [], 0, None, set()
+    for step in range(start, stop):
         batch = lm_data.train_batch(corpus, step, cfg.batch, cfg.model.seq, cfg.seed)
-        state, losses = train_step(state, batch)
+        phase = phase_of(step)
+        diag = bool(diagnostics) and (step + 1) % diagnostics == 0
+        first = (phase, diag) not in compiled  # this step compiles: leave it out of the timings
+        compiled.add((phase, diag))
+        if diag or first:  # time it apart (diagnostics) or not at all (compile): close the running interval
+            jax.block_until_ready(state)
+            if t0 is not None:
+                timed["seconds"] += time.perf_counter() - t0
+                timed["steps"] += interval
+            interval, td = 0, time.perf_counter()
+        if diag:
+            state, losses, stats = ph.diag_steps[phase](state, batch)
+            drows += qdiag.rows(jax.device_get(stats), step=step + 1, run=run, phase=phase)
+        else:
+            state, losses = ph.steps[phase](state, batch)
         pending.append(losses)
         bar.update(1)
-        if t0 is None:  # the first step in this process compiles: time from its end
-            losses["loss"].block_until_ready()
+        if diag or first:
+            jax.block_until_ready(state)
+            if diag and not first:
+                timed["diag_seconds"] += time.perf_counter() - td
+                timed["diag_steps"] += 1
             t0 = time.perf_counter()
         else:
             interval += 1
         done = step + 1 == cfg.steps
         log, ev = (step + 1) % cfg.log_every == 0 or done, (step + 1) % cfg.eval_every == 0 or done
-        ckpt = done or (cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0)
+        ckpt = done or step + 1 == stop or (cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0)
         if not (log or ev or ckpt):
             continue
         train_loss = float(np.mean([float(v["loss"]) for v in pending]))  # waits for the step
@@ -344,19 +419,22 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
         dt = time.perf_counter() - t0
         timed["seconds"] += dt
         timed["steps"] += interval
-        row = {"step": step + 1, "recipe": name, "train_loss": train_loss,
-               "val_loss": evaluate(state) if ev else None,
-               "tokens_per_s": interval * tokens / dt if interval else None, "aux_loss": aux_loss}
+        row = {"step": step + 1, "recipe": run, "train_loss": train_loss,
+               "val_loss": evaluate(state, step) if ev else None,
+               "tokens_per_s": interval * tokens / dt if interval else None, "aux_loss": aux_loss, "phase": phase}
         rows.append(row)
         if not math.isfinite(train_loss) and all(map(math.isfinite, (r["train_loss"] for r in rows[:-1]))):
-            bar.write(f"{name}: the training loss is {train_loss} at step {step + 1}")
+            bar.write(f"{run}: the training loss is {train_loss} at step {step + 1}")
         bar.set_postfix({"loss": f"{train_loss:.3f}", **({"val": f"{row['val_loss']:.3f}"} if ev else {}),
                          **({"aux": f"{aux_loss:.3f}"} if moe else {}),
                          **({"tok/s": f"{row['tokens_per_s']:,.0f}"} if interval else {})}, refresh=False)
         if ckpt:
             save_checkpoint(mgr, step + 1, state,
-                            {"step": step + 1, "recipe": name, "config": cfg.resume_key(), "rows": list(rows),
-                             "timed": dict(timed)})  # copies: the save may finish in the background
+                            {"step": step + 1, "recipe": name, "run": run, "config": cfg.resume_key(),
+                             "switch": switch_desc, "phase": phase_of(step + 1) if step + 1 < cfg.steps else phase,
+                             "phase_recipes": ph.tables[phase_of(step + 1) if step + 1 < cfg.steps else phase],
+                             "rows": list(rows), "timed": dict(timed),
+                             "diagnostics": list(drows)})  # copies: the save may finish in the background
         pending, interval, t0 = [], 0, time.perf_counter()  # evaluation and checkpointing are not timed
     bar.close()
     mgr.wait_until_finished()
@@ -364,16 +442,24 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
 
     last_val = next((r["val_loss"] for r in reversed(rows) if r["val_loss"] is not None), None)
     if start >= cfg.steps:
-        print(f"{name}: the checkpoint is at step {start} >= --steps {cfg.steps}; nothing to train")
+        print(f"{run}: the checkpoint is at step {start} >= --steps {cfg.steps}; nothing to train")
     if last_val is None:
-        last_val = evaluate(state)
+        last_val = evaluate(state, max(start, stop) - 1)
     step_s = timed["seconds"] / timed["steps"] if timed["steps"] else math.nan
-    summary = {"recipe": name, "steps": max(start, cfg.steps), "val_loss": last_val,
+    summary = {"recipe": run, "steps": max(start, stop), "val_loss": last_val,
                "bits_per_byte": last_val / math.log(2), "tokens_per_s": tokens / step_s, "step_ms": 1e3 * step_s,
-               "wall_s": time.perf_counter() - wall}
+               "wall_s": time.perf_counter() - wall, "seed": cfg.seed}
+    peak = lm_precision.peak_flops(jax.devices()[0].device_kind)
+    n_dev = 1 if cfg.mesh is None else cfg.mesh[0] * cfg.mesh[1]
+    summary["mfu"] = (lm_model.flops_per_token(cfg.model) * tokens / step_s / (peak * n_dev)
+                      if peak and math.isfinite(step_s) else None)
+    if timed["diag_steps"]:
+        summary["diag_step_ms"] = 1e3 * timed["diag_seconds"] / timed["diag_steps"]
+    if switch is not None:
+        summary["switch"] = switch_desc
     if moe:  # the load-balancing loss of the last logged steps (1: balanced)
         summary["aux_loss"] = next((r["aux_loss"] for r in reversed(rows) if r.get("aux_loss") is not None), None)
-    return rows, summary
+    return rows, summary, drows
 
 
 # ---- outputs ---------------------------------------------------------------------------------------------------------
@@ -430,28 +516,43 @@ def plot_curves(out: Path, rows: list[dict], title: str):
 
 
 def format_table(summaries: dict) -> str:
-    """Validation loss, bits per byte, the gap to bf16, tokens/s and step time (compiles, evaluations and checkpoints
-    left out) of each recipe, and its wall time (everything, compiles included); with MoE runs, the last logged
+    """Validation loss, bits per byte, the gap to bf16 (of the same seed), tokens/s (and its ratio to bf16's), step
+    time (compiles, evaluations, checkpoints and diagnostics steps left out), MFU, the diagnostics step's time when
+    there were some, and the wall time (everything, compiles included) of each run; with MoE runs, the last logged
     load-balancing loss too."""
-    ref = summaries.get("bf16", {}).get("val_loss")
+    def ref(name):
+        seed = lm_precision.split_name(name)[1]
+        return summaries.get("bf16" if seed is None else f"bf16@s{seed}")
+
     aux = any(s.get("aux_loss") is not None for s in summaries.values())
-    lines = [f"{'recipe':<20} {'steps':>6} {'val loss':>9} {'bits/byte':>9} {'vs bf16':>8} {'tokens/s':>10} "
-             f"{'step ms':>8} {'wall s':>7}" + (f" {'aux':>6}" if aux else "")]
-    for s in summaries.values():
-        gap = f"{100 * (s['val_loss'] / ref - 1):+.2f}%" if ref else "n/a"
+    diag = any(s.get("diag_step_ms") is not None for s in summaries.values())
+    w = max([20] + [len(n) for n in summaries])
+    lines = [f"{'run':<{w}} {'steps':>6} {'val loss':>9} {'bits/byte':>9} {'vs bf16':>8} {'tokens/s':>10} "
+             f"{'x bf16':>6} {'step ms':>8} {'MFU':>6} {'wall s':>7}" + (f" {'diag ms':>8}" if diag else "")
+             + (f" {'aux':>6}" if aux else "")]
+    for name, s in summaries.items():
+        r = ref(name)
+        gap = f"{100 * (s['val_loss'] / r['val_loss'] - 1):+.2f}%" if r else "n/a"
         tps = f"{s['tokens_per_s']:,.0f}" if math.isfinite(s["tokens_per_s"]) else "n/a"
+        speed = (f"{s['tokens_per_s'] / r['tokens_per_s']:.3f}" if r and math.isfinite(s["tokens_per_s"])
+                 and math.isfinite(r["tokens_per_s"]) else "n/a")
         ms = f"{s['step_ms']:.1f}" if math.isfinite(s["step_ms"]) else "n/a"
-        lines.append(f"{s['recipe']:<20} {s['steps']:>6} {s['val_loss']:>9.4f} {s['bits_per_byte']:>9.4f} {gap:>8} "
-                     f"{tps:>10} {ms:>8} {s['wall_s']:>7.1f}"
+        mfu = f"{100 * s['mfu']:.1f}%" if s.get("mfu") else "n/a"
+        lines.append(f"{name:<{w}} {s['steps']:>6} {s['val_loss']:>9.4f} {s['bits_per_byte']:>9.4f} {gap:>8} "
+                     f"{tps:>10} {speed:>6} {ms:>8} {mfu:>6} {s['wall_s']:>7.1f}"
+                     + (f" {s.get('diag_step_ms') or math.nan:>8.1f}" if diag else "")
                      + (f" {s['aux_loss']:>6.3f}" if aux and s.get("aux_loss") is not None else ""))
     return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
-    """Run the CLI; returns {recipe: summary} of the recipes trained now."""
+    """Run the CLI; returns {run name: summary} of the runs trained now."""
+    from jax_fp4.policy import UnmatchedRuleError
+
     args, cfg, names = parse_args(argv)
     try:
-        corpus = lm_data.load_text_file(args.data) if args.data else lm_data.load_stdlib()
+        corpus = (lm_data.load_text_file(args.data) if args.data else
+                  lm_data.load_site_packages() if args.corpus == "site-packages" else lm_data.load_stdlib())
         lm_data.check_sizes(corpus, cfg.model.seq)
     except (OSError, ValueError) as e:
         make_parser().error(str(e))
@@ -461,8 +562,9 @@ def main(argv=None) -> dict:
     print(f"model: {lm_model.count_params(m) / 1e6:.2f}M parameters, d_model {m.d_model}, "
           f"{m.n_layers} block{'s' * (m.n_layers > 1)}"
           f"{' (scanned)' if m.scan_layers else ''}, {m.n_heads} heads, seq {m.seq}, batch {cfg.batch} "
-          f"({cfg.batch * m.seq} tokens/step), {cfg.steps} steps; " + (
-              f"device: {jax.devices()[0]}" if cfg.mesh is None else
+          f"({cfg.batch * m.seq} tokens/step), {cfg.steps} steps, "
+          f"{lm_model.flops_per_token(m) * cfg.batch * m.seq / 1e12:.2f} TFLOP/step; " + (
+              f"device: {jax.devices()[0]} ({jax.devices()[0].device_kind})" if cfg.mesh is None else
               f"mesh: data {cfg.mesh[0]} x tensor {cfg.mesh[1]} over {len(jax.devices())} devices "
               f"({jax.devices()[0].device_kind})"))
     if m.moe:
@@ -470,12 +572,23 @@ def main(argv=None) -> dict:
               f"expert hidden {m.mlp_ratio * m.d_model} (GELU), load-balancing loss weight {m.moe_aux_weight:g}; "
               f"{lm_model.count_params(m, active=True) / 1e6:.2f}M parameters active per token")
 
-    rows, summaries = [], {}
-    for name in names:
-        r, summaries[name] = train_recipe(name, cfg, corpus, args.out, resume=args.resume,
-                                          progress=not args.no_progress)
-        rows += r
-    all_rows = write_curves(args.out, rows, set(names))
+    rows, summaries, switch = [], {}, lm_precision.make_switch(args)
+    for seed in args.seeds or [None]:
+        run_cfg = cfg if seed is None else dataclasses.replace(cfg, seed=seed)
+        for name in names:
+            run = lm_precision.run_name(name, args, seed)
+            recipe = recipes.by_name(name)
+            policy = lm_precision.make_policy(args, recipe, m.n_layers) if recipe.quantized else None
+            try:
+                r, summaries[run], drows = train_recipe(
+                    name, run_cfg, corpus, args.out, resume=args.resume, progress=not args.no_progress, run=run,
+                    policy=policy, switch=switch, diagnostics=args.diagnostics, stop_at=args.stop_at)
+            except UnmatchedRuleError as e:
+                make_parser().error(str(e))
+            rows += r
+            lm_precision.write_diagnostics(args.out, run, drows)
+    runs = list(summaries)
+    all_rows = write_curves(args.out, rows, set(runs))
     path = args.out / "summary.json"
     merged = json.loads(path.read_text()) if path.is_file() else {}
     merged.update(summaries)
@@ -483,11 +596,20 @@ def main(argv=None) -> dict:
     plot_curves(args.out, all_rows, f"byte-level GPT, d_model {m.d_model}, {m.n_layers} layers, seq {m.seq}, "
                                     f"batch {cfg.batch}: {', '.join(dict.fromkeys(r['recipe'] for r in all_rows))}")
     table = dict(summaries)
-    if "bf16" not in table and "bf16" in merged:  # the reference of the gap: bf16 of an earlier run into this --out
-        table = {"bf16": merged["bf16"], **table}
+    for seed in args.seeds or [None]:  # the reference of the gap: bf16 of an earlier run into this --out
+        ref = "bf16" if seed is None else f"bf16@s{seed}"
+        if ref not in table and ref in merged:
+            table = {ref: merged[ref], **table}
     print()
     print(format_table(table))
-    print(f"\ncurves: {args.out / 'curves.csv'}, {args.out / 'curves.png'}; checkpoints: {args.out / 'checkpoints'}")
+    if args.seeds:
+        gaps = lm_precision.seed_gaps(merged)
+        lm_precision.write_gaps(args.out, gaps)
+        print(f"\ngap to bf16 over seeds (each seed against bf16 of the same seed; {args.out / 'gaps.csv'}):")
+        print(lm_precision.format_gaps(gaps))
+    print(f"\ncurves: {args.out / 'curves.csv'}, {args.out / 'curves.png'}; checkpoints: {args.out / 'checkpoints'}"
+          + (f"; diagnostics: {args.out / 'diagnostics.csv'}, {args.out / 'diagnostics.png'}" if args.diagnostics
+             else ""))
     return summaries
 
 
