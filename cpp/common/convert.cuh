@@ -1,47 +1,139 @@
-// Conversions and scale arithmetic of the numeric contract (docs/numerics.md), as device functions.
+// Conversions and scale arithmetic of the numeric contract (docs/numerics.md), for the CUDA kernels and the CPU
+// handlers (common/hd.h: device paths under __CUDA_ARCH__, a bit-identical portable path on the host).
 //
 // Every function here is bit-exact to jax_fp4.reference:
 //  * fp32 products / quotients use the IEEE intrinsics (__fmul_rn, __frcp_rn, __fdiv_rn): no contraction into FMAs,
-//    no flush-to-zero (the library is built with -ftz=false -prec-div=true);
-//  * E4M3 / E5M2 use cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32 (sm_89+, so Hopper runs them natively);
+//    no flush-to-zero (the library is built with -ftz=false -prec-div=true); the host uses the plain operators
+//    (-ffp-contract=off, subnormals kept);
+//  * E4M3 / E5M2 use cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32 (sm_89+, so Hopper runs them natively); the host rounds
+//    on the bit pattern (SmallFloatRne);
 //  * E2M1 encoding lives in e2m1.cuh.
 #pragma once
 
+#if defined(__CUDACC__)
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
+#endif
 
 #include <cfloat>
+#include <cmath>
 #include <cstdint>
+
+#include "common/e2m1.cuh"
+#include "common/hd.h"
 
 namespace jax_fp4 {
 namespace cvt {
 
-// fp32 constants by bit pattern (np.float32 of the exact quotient; no compile-time double rounding).
-__device__ __forceinline__ float kInv6() { return __uint_as_float(0x3e2aaaabu); }        // fp32(1/6)
-__device__ __forceinline__ float kInv448() { return __uint_as_float(0x3b124925u); }      // fp32(1/448)
-__device__ __forceinline__ float kInv57344() { return __uint_as_float(0x37924925u); }    // fp32(1/57344)
-__device__ __forceinline__ float kInv2688() { return __uint_as_float(0x39c30c31u); }     // fp32(1/2688)
-__device__ __forceinline__ float kWindowFloor() { return __uint_as_float(0x2b8cbcccu); } // fp32(1e-12)
-constexpr float kEncNumerator = 2688.0f;                                                   // 6 * 448
+using e2m1::Bits;
+using e2m1::Float;
 
-// fmaxf ignores a NaN operand, so block amaxes never carry NaN.
-__device__ __forceinline__ float AbsMax(float acc, float v) { return fmaxf(acc, fabsf(v)); }
+// fp32 constants by bit pattern (np.float32 of the exact quotient; no compile-time double rounding).
+JF4_HD float kInv6() { return Float(0x3e2aaaabu); }         // fp32(1/6)
+JF4_HD float kInv448() { return Float(0x3b124925u); }       // fp32(1/448)
+JF4_HD float kInv57344() { return Float(0x37924925u); }     // fp32(1/57344)
+JF4_HD float kInv2688() { return Float(0x39c30c31u); }      // fp32(1/2688)
+JF4_HD float kWindowFloor() { return Float(0x2b8cbcccu); }  // fp32(1e-12)
+constexpr float kEncNumerator = 2688.0f;                     // 6 * 448
+
+// IEEE fp32 operations, rounded once to nearest even (the host is built with -ffp-contract=off).
+JF4_HD float Mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+JF4_HD float Div(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+JF4_HD float Rcp(float a) {
+#if defined(__CUDA_ARCH__)
+  return __frcp_rn(a);
+#else
+  return 1.0f / a;
+#endif
+}
+
+// fmaxf ignores a NaN operand, so block amaxes never carry NaN. (The host spells fmaxf out: the same result,
+// without a libm call.)
+JF4_HD float AbsMax(float acc, float v) {
+#if defined(__CUDA_ARCH__)
+  return fmaxf(acc, fabsf(v));
+#else
+  const float a = std::fabs(v);
+  return a > acc ? a : acc;  // a NaN compares false; acc is never NaN
+#endif
+}
+
+// ---- host rounding onto a small binary format (the reference's _f32.encode) ---------------------------------------
+// RNE of fp32 v onto a format with kMbits mantissa bits and exponent bias kBias (gradual underflow), then saturated
+// to the largest finite code kMax (satfinite: overflow and +-inf); NaN -> 0x7F. The sign goes to bit 7.
+template <int kMbits, int kBias, uint32_t kMax>
+inline uint32_t SmallFloatRne(float v) {
+  const uint32_t b = Bits(v), mag = b & 0x7FFFFFFFu, sign = (b >> 24) & 0x80u;
+  if (mag > 0x7F800000u) return 0x7Fu;
+  if (mag >= 0x7F800000u) return sign | kMax;
+  const int e = int(mag >> 23) - 127;  // exponent of a normal fp32 (fp32 subnormals land in the subnormal branch)
+  uint32_t code;
+  if (e < 1 - kBias) {  // below the smallest normal: multiples of 2^(1 - kBias - kMbits), by exact scaling
+    const float q = std::ldexp(Float(mag), kMbits + kBias - 1);  // exact: a power-of-two scaling upwards
+    code = uint32_t(std::nearbyint(q));                            // RNE (default rounding mode); may reach the
+  } else {                                                         // first normal code 1 << kMbits exactly
+    const uint32_t shift = 23 - kMbits;
+    const uint32_t r = mag + ((1u << (shift - 1)) - 1u) + ((mag >> shift) & 1u);  // RNE on the mantissa bits
+    code = (r >> shift) - (uint32_t(127 - kBias) << kMbits);
+  }
+  return sign | (code > kMax ? kMax : code);
+}
+
+// Exact value of a code of such a format (finite codes only).
+template <int kMbits, int kBias>
+inline float SmallFloatValue(uint32_t code) {
+  const uint32_t e = (code >> kMbits) & ((0x7Fu) >> kMbits), m = code & ((1u << kMbits) - 1u);
+  const float mag = e ? std::ldexp(float((1u << kMbits) | m), int(e) - kBias - kMbits)
+                      : std::ldexp(float(m), 1 - kBias - kMbits);
+  return (code & 0x80u) ? -mag : mag;
+}
+
+// bfloat16 bits of v, RNE, NaN -> 0x7FC0 (the reference's canonical NaN).
+JF4_HD uint32_t Bf16Rne(float v) {
+  const uint32_t b = Bits(v);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
+  return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+}
 
 // ---- E4M3 / E5M2 -----------------------------------------------------------------------------------------------
 // RNE, satfinite (+-inf and overflow -> +-max), NaN -> 0x7F. Two values per call, `lo` in the low byte.
-__device__ __forceinline__ uint32_t E4M3x2(float lo, float hi) {
+JF4_HD uint32_t E4M3x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__)
   return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+#else
+  return SmallFloatRne<3, 7, 0x7Eu>(lo) | (SmallFloatRne<3, 7, 0x7Eu>(hi) << 8);
+#endif
 }
-__device__ __forceinline__ uint32_t E5M2x2(float lo, float hi) {
+JF4_HD uint32_t E5M2x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__)
   return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E5M2);
+#else
+  return SmallFloatRne<2, 15, 0x7Bu>(lo) | (SmallFloatRne<2, 15, 0x7Bu>(hi) << 8);
+#endif
 }
-__device__ __forceinline__ uint32_t E4M3(float v) { return E4M3x2(v, 0.0f) & 0xFFu; }
+JF4_HD uint32_t E4M3(float v) { return E4M3x2(v, 0.0f) & 0xFFu; }
 
 // Exact value of an E4M3 code (all E4M3 values are fp32 normals or zero); 0x7F/0xFF (NaN) never occur as scales.
-__device__ __forceinline__ float E4M3Value(uint32_t code) {
+JF4_HD float E4M3Value(uint32_t code) {
+#if defined(__CUDA_ARCH__)
   const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3);
   return __half2float(__half(h));
+#else
+  return SmallFloatValue<3, 7>(code);
+#endif
 }
 
 // ---- E8M0 (MXFP8 scales) ----------------------------------------------------------------------------------------
@@ -51,50 +143,82 @@ __device__ __forceinline__ float E4M3Value(uint32_t code) {
 // binade) to the magnitude bits carries into the exponent exactly when it should bump; the min saturates exponent
 // 0xFE and maps inf (0xFF after the carry-free add) to 0xFE. Equal to the case-by-case definition on all 2^32 inputs
 // (checked on the host when this form was written).
-__device__ __forceinline__ uint32_t E8M0FromFloat(float v) {
-  const uint32_t mag = __float_as_uint(v) & 0x7FFFFFFFu;
+JF4_HD uint32_t E8M0FromFloat(float v) {
+  const uint32_t mag = Bits(v) & 0x7FFFFFFFu;
   const uint32_t up = (mag + (mag < 0x800000u ? 0x3FFFFFu : 0x7FFFFFu)) >> 23;
+#if defined(__CUDA_ARCH__)
   return mag > 0x7F800000u ? 0xFFu : min(up, 0xFEu);
+#else
+  return mag > 0x7F800000u ? 0xFFu : (up < 0xFEu ? up : 0xFEu);
+#endif
 }
 
 // fp32 2^(127 - e): exponent field 254 - e for e <= 253, the subnormal 2^-127 for e = 254, NaN for e = 255 (selects,
 // no branches).
-__device__ __forceinline__ float E8M0InverseScale(uint32_t e) {
+JF4_HD float E8M0InverseScale(uint32_t e) {
   const uint32_t r = (254u - e) << 23;
-  return __uint_as_float(e >= 254u ? (e == 254u ? 0x00400000u : 0x7FC00000u) : r);
+  return Float(e >= 254u ? (e == 254u ? 0x00400000u : 0x7FC00000u) : r);
 }
 
 // ---- NVFP4 scale arithmetic -------------------------------------------------------------------------------------
 // S_enc = min(2688 / amax, FLT_MAX); 1 when amax == 0 or S_enc == 0 (amax = inf).
-__device__ __forceinline__ float GlobalEncodeScale(float amax) {
+// (amax is an amax: >= 0, never NaN; 2688 / amax is never NaN, so the host's compare-selects equal fminf.)
+JF4_HD float GlobalEncodeScale(float amax) {
   if (amax == 0.0f) return 1.0f;
+#if defined(__CUDA_ARCH__)
   const float s = fminf(__fdiv_rn(kEncNumerator, amax), FLT_MAX);
+#else
+  const float q = kEncNumerator / amax, s = q > FLT_MAX ? FLT_MAX : q;
+#endif
   return s == 0.0f ? 1.0f : s;
 }
 
 // 1x64: S_enc,w = min(2688 / max(A_w, 1e-12), FLT_MAX); 1 when A_w == 0.
-__device__ __forceinline__ float WindowEncodeScale(float window_amax) {
+JF4_HD float WindowEncodeScale(float window_amax) {
   if (window_amax == 0.0f) return 1.0f;
+#if defined(__CUDA_ARCH__)
   return fminf(__fdiv_rn(kEncNumerator, fmaxf(window_amax, kWindowFloor())), FLT_MAX);
+#else
+  const float q = kEncNumerator / (window_amax > kWindowFloor() ? window_amax : kWindowFloor());
+  return q > FLT_MAX ? FLT_MAX : q;
+#endif
 }
 
 // ---- Philox-4x32-10 (Salmon et al. 2011), the stochastic-rounding stream of reference/sr.py -------------------------
-__device__ __forceinline__ uint4 Philox(uint32_t ctr, uint32_t k0, uint32_t k1) {
+#if defined(__CUDACC__)
+using Words4 = uint4;
+JF4_HD Words4 MakeWords4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return make_uint4(a, b, c, d); }
+#else
+struct Words4 {
+  uint32_t x, y, z, w;
+};
+inline Words4 MakeWords4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return Words4{a, b, c, d}; }
+#endif
+
+JF4_HD uint32_t MulHi(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __umulhi(a, b);
+#else
+  return uint32_t((uint64_t(a) * b) >> 32);
+#endif
+}
+
+JF4_HD Words4 Philox(uint32_t ctr, uint32_t k0, uint32_t k1) {
   uint32_t c0 = ctr, c1 = 0, c2 = 0, c3 = 0;
-#pragma unroll
+  JF4_UNROLL
   for (int r = 0; r < 10; ++r) {
     if (r) {
       k0 += 0x9E3779B9u;
       k1 += 0xBB67AE85u;
     }
-    const uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
-    const uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+    const uint32_t hi0 = MulHi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+    const uint32_t hi1 = MulHi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
     c0 = hi1 ^ c1 ^ k0;
     c1 = lo1;
     c2 = hi0 ^ c3 ^ k1;
     c3 = lo0;
   }
-  return make_uint4(c0, c1, c2, c3);
+  return MakeWords4(c0, c1, c2, c3);
 }
 
 // ---- Random Hadamard transform of one 16-chunk (reference/rht.py) --------------------------------------------------
@@ -104,25 +228,38 @@ __device__ __forceinline__ uint4 Philox(uint32_t ctr, uint32_t k0, uint32_t k1) 
 // fp32 add / subtract with subnormal inputs and results flushed to sign-preserving zero (add.rn.ftz.f32): equal to
 // flush(flush(a) + flush(b)), as a sum of floats that is below FLT_MIN is exact (no rounding happens in the subnormal
 // range, so flushing before or after rounding agrees).
-__device__ __forceinline__ float AddFtz(float a, float b) {
+// flush(x) on the host: a zero of x's sign where x is subnormal.
+JF4_HD float Flush(float x) {
+  const uint32_t b = Bits(x);
+  return (b & 0x7F800000u) == 0 ? Float(b & 0x80000000u) : x;
+}
+JF4_HD float AddFtz(float a, float b) {
+#if defined(__CUDA_ARCH__)
   float r;
   asm("add.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
+#else
+  return Flush(Flush(a) + Flush(b));
+#endif
 }
-__device__ __forceinline__ float SubFtz(float a, float b) {
+JF4_HD float SubFtz(float a, float b) {
+#if defined(__CUDA_ARCH__)
   float r;
   asm("sub.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
+#else
+  return Flush(Flush(a) - Flush(b));
+#endif
 }
 
 constexpr uint32_t kRhtSignMask = 0xD7E8u;  // bit i: element i is negated (forward: input; inverse: output)
 
 // The four butterfly stages (a, b) -> (a + b, a - b) of the RHT, each sum flushed (the first stage also flushes its
 // inputs).
-__device__ __forceinline__ void RhtButterfly16(float (&v)[16]) {
-#pragma unroll
+JF4_HD void RhtButterfly16(float (&v)[16]) {
+  JF4_UNROLL
   for (int h = 1; h < 16; h <<= 1) {
-#pragma unroll
+    JF4_UNROLL
     for (int i = 0; i < 16; ++i) {
       if ((i & h) == 0) {
         const float x = v[i], y = v[i + h];
@@ -140,12 +277,16 @@ __device__ __forceinline__ void RhtButterfly16(float (&v)[16]) {
 // decided before rounding would not guarantee. Bit for bit the step-by-step flushed form of reference/rht.py,
 // in 8 instructions an element instead of 21 (SASS of sm_90a: the negations fold into the first adds; the flushes
 // of the step-by-step form cost 2-3 instructions each).
-__device__ __forceinline__ void RhtForward16(float (&v)[16]) {
-#pragma unroll
+JF4_HD void RhtForward16(float (&v)[16]) {
+  JF4_UNROLL
   for (int i = 0; i < 16; ++i) v[i] = ((kRhtSignMask >> i) & 1u) ? -v[i] : v[i];
   RhtButterfly16(v);
+#if defined(__CUDA_ARCH__)
 #pragma unroll
   for (int i = 0; i < 16; ++i) v[i] = __bfloat162float(__float2bfloat16_rn(AddFtz(__fmul_rn(v[i], 0.25f), -0.0f)));
+#else
+  for (int i = 0; i < 16; ++i) v[i] = Float(Bf16Rne(Flush(v[i] * 0.25f)) << 16);
+#endif
 }
 
 }  // namespace cvt

@@ -24,18 +24,9 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define JF4_HD __host__ __device__ __forceinline__
-#else
 #include <cmath>
-#define JF4_HD inline
-#endif
-// `#pragma unroll` for the device pass only (the host compiler does not know it and warns under -Wall).
-#if defined(__CUDA_ARCH__)
-#define JF4_UNROLL _Pragma("unroll")
-#else
-#define JF4_UNROLL
-#endif
+
+#include "common/hd.h"
 
 namespace jax_fp4 {
 namespace e2m1 {

@@ -1,7 +1,9 @@
 // Error helpers for FFI handlers: every failure becomes an ffi::Error carrying file:line. Never throw, never exit.
 #pragma once
 
+#if defined(__CUDACC__)
 #include <cuda_runtime_api.h>
+#endif
 
 #include <string>
 
@@ -28,6 +30,7 @@ inline std::string SourceLocation(const char* file, int line) { return std::stri
     }                                                                                             \
   } while (0)
 
+#if defined(__CUDACC__)
 // JF4_CUDA_CHECK(call): return ffi::Error::Internal("file:line: call: cudaErrorName: message") on a CUDA error.
 #define JF4_CUDA_CHECK(call)                                                                                       \
   do {                                                                                                             \
@@ -37,6 +40,7 @@ inline std::string SourceLocation(const char* file, int line) { return std::stri
                                          cudaGetErrorName(jf4_err_) + ": " + cudaGetErrorString(jf4_err_));        \
     }                                                                                                              \
   } while (0)
+#endif  // __CUDACC__
 
 // JF4_RETURN_IF_ERROR(expr): propagate a failed ffi::Error from a helper.
 #define JF4_RETURN_IF_ERROR(expr)          \

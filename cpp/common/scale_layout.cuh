@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "common/hd.h"
+
 namespace jax_fp4 {
 namespace layout {
 
@@ -13,7 +15,7 @@ constexpr int kTileBytes = kTileRows * kTileCols;
 
 // Flat byte index of S[i, j] in a swizzled padded scale matrix with `cols_padded` (% 4 == 0) columns:
 // tile (i / 128, j / 4) in row-major tile order, then (i % 32) * 16 + ((i % 128) / 32) * 4 + j % 4 inside it.
-__host__ __device__ __forceinline__ int64_t SwizzledIndex(int64_t i, int64_t j, int64_t cols_padded) {
+JF4_HD int64_t SwizzledIndex(int64_t i, int64_t j, int64_t cols_padded) {
   return ((i >> 7) * (cols_padded >> 2) + (j >> 2)) * kTileBytes + (i & 31) * 16 + ((i & 127) >> 5) * 4 + (j & 3);
 }
 

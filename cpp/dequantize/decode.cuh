@@ -3,13 +3,18 @@
 // the reference's rounding (RNE) and canonical NaN.
 #pragma once
 
+#if defined(__CUDACC__)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
+#endif
 
 #include <cstdint>
 #include <type_traits>
+
+#include "common/convert.cuh"
+#include "common/hd.h"
 
 namespace jax_fp4 {
 namespace dequantize {
@@ -18,11 +23,13 @@ enum Kind : int { kNvfp4 = 1, kMxfp8E4m3 = 2, kMxfp8E5m2 = 3 };
 
 // E2M1 code -> value, built on the fp32 bits (no table: a dynamically indexed array would live in local memory).
 // Exponent field e = code bits 1..2, mantissa m = bit 0: e == 0 gives 0 or 0.5; else (1 + m/2) * 2^(e-1). Code 8 = -0.
-__device__ __forceinline__ float E2M1Value(uint32_t code) {
+JF4_HD float E2M1Value(uint32_t code) {
   const uint32_t e = (code >> 1) & 3u, m = code & 1u;
   const uint32_t mag = e ? (((e + 126u) << 23) | (m << 22)) : (m ? 0x3F000000u : 0u);
-  return __uint_as_float(mag | ((code & 8u) << 28));
+  return cvt::Float(mag | ((code & 8u) << 28));
 }
+
+#if defined(__CUDACC__)  // the packed decoders below are device-only (byte permutes, half2)
 
 // Exact fp32 values of the first kN (4 or 8) E2M1 codes packed in `word` (code i in bits 4i..4i+3). Two byte
 // permutes look up the upper 16 bits of each magnitude's fp32 pattern (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6:
@@ -64,20 +71,35 @@ __device__ __forceinline__ void E2M1x8Half(uint32_t word, float (&q)[8]) {
   }
 }
 
+#endif  // __CUDACC__
+
 // Exact float of an E4M3 / E5M2 code (NaN codes give NaN, E5M2 infinities give infinities).
 template <int kKind>
-__device__ __forceinline__ float Fp8Value(uint32_t code) {
+JF4_HD float Fp8Value(uint32_t code) {
+#if defined(__CUDA_ARCH__)
   const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code),
                                                kKind == kMxfp8E4m3 ? __NV_E4M3 : __NV_E5M2);
   return __half2float(__half(h));
+#else
+  const uint32_t mag = code & 0x7Fu, sign = (code & 0x80u) << 24;
+  if (kKind == kMxfp8E4m3) {
+    if (mag == 0x7Fu) return cvt::Float(sign | 0x7FC00000u);
+    return cvt::SmallFloatValue<3, 7>(code);
+  }
+  if (mag > 0x7Cu) return cvt::Float(sign | 0x7FC00000u);
+  if (mag == 0x7Cu) return cvt::Float(sign | 0x7F800000u);
+  return cvt::SmallFloatValue<2, 15>(code);
+#endif
 }
 
 // E8M0 code -> 2^(e-127): code 0 is the fp32 subnormal 2^-127, 255 is NaN.
-__device__ __forceinline__ float E8M0Value(uint32_t e) {
-  if (e == 255u) return __uint_as_float(0x7FC00000u);
-  if (e == 0u) return __uint_as_float(0x00400000u);
-  return __uint_as_float(e << 23);
+JF4_HD float E8M0Value(uint32_t e) {
+  if (e == 255u) return cvt::Float(0x7FC00000u);
+  if (e == 0u) return cvt::Float(0x00400000u);
+  return cvt::Float(e << 23);
 }
+
+#if defined(__CUDACC__)  // output packing of the kernels (device types)
 
 // fp32 -> output bits, RNE, canonical NaN (0x7FC00000 / 0x7FC0 / 0x7E00) as the reference writes it.
 template <typename Out>
@@ -126,6 +148,8 @@ __device__ __forceinline__ uint4 PackRunFinite(const float (&v)[kV]) {
     return make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
+
+#endif  // __CUDACC__
 
 }  // namespace dequantize
 }  // namespace jax_fp4

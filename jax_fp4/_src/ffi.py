@@ -1,10 +1,14 @@
-"""Loading and registering the CUDA extension `jax_fp4._jax_fp4_cuda`.
+"""Loading and registering the extensions `jax_fp4._jax_fp4_cuda` and `jax_fp4._jax_fp4_cpu`.
 
-Importing this module tries to import the extension. When it is present, every FFI handler it exports
+Importing this module tries to import both. When the CUDA extension is present, every FFI handler it exports
 (`registrations()`: target name -> PyCapsule) is registered with `jax.ffi.register_ffi_target(..., platform="CUDA")`
 exactly once, and the primitives add their CUDA lowerings. When it is absent (the wheel was built without a CUDA
-compiler, or with JAX_FP4_CUDA=OFF), one `ReferenceOnlyWarning` is emitted and every primitive lowers to the pure-JAX
-reference on every platform: results are the same bits, only slower on GPU.
+compiler, or with JAX_FP4_CUDA=OFF), one `ReferenceOnlyWarning` is emitted and the primitives lower to the pure-JAX
+reference on GPUs: results are the same bits, only slower.
+
+The CPU extension (cpp/cpu/, built by the host C++ compiler with every wheel) holds host handlers for some targets
+under the same names; they are registered for platform "cpu" (`ensure_cpu_registered`, `cpu_targets`) and the
+primitives lower to them on the CPU. Without it (a source checkout imported directly) the CPU runs the reference.
 
 This module imports only jax and the extension (no other jax_fp4 module), so any layer may import it.
 """
@@ -18,27 +22,32 @@ from types import ModuleType
 
 import jax
 
-__all__ = ["HAS_CUDA_KERNELS", "ReferenceOnlyWarning", "ensure_registered", "extension", "import_error", "targets"]
+__all__ = ["HAS_CPU_KERNELS", "HAS_CUDA_KERNELS", "ReferenceOnlyWarning", "cpu_targets", "ensure_cpu_registered",
+           "ensure_registered", "extension", "import_error", "cpu_import_error", "targets"]
 
 
 class ReferenceOnlyWarning(UserWarning):
     """The CUDA extension is not available; jax_fp4 runs on the pure-JAX reference everywhere."""
 
 
-def _load() -> tuple[ModuleType | None, BaseException | None]:
+def _load(name: str = "jax_fp4._jax_fp4_cuda") -> tuple[ModuleType | None, BaseException | None]:
     try:
-        return importlib.import_module("jax_fp4._jax_fp4_cuda"), None
+        return importlib.import_module(name), None
     except ImportError as e:  # not built, or built for another Python / platform
         return None, e
 
 
 _EXT, _IMPORT_ERROR = _load()
+_CPU_EXT, _CPU_IMPORT_ERROR = _load("jax_fp4._jax_fp4_cpu")
 
 #: True when the CUDA extension imported; the CUDA lowerings are then registered for platform "cuda".
 HAS_CUDA_KERNELS: bool = _EXT is not None
+#: True when the CPU extension imported; its targets are then registered for platform "cpu".
+HAS_CPU_KERNELS: bool = _CPU_EXT is not None
 
 _lock = threading.Lock()
 _registered: tuple[str, ...] | None = None
+_cpu_registered: tuple[str, ...] | None = None
 
 
 def extension() -> ModuleType | None:
@@ -75,13 +84,44 @@ def targets() -> tuple[str, ...]:
     return _registered or ()
 
 
+def ensure_cpu_registered() -> bool:
+    """Register every FFI target of the CPU extension for platform "cpu" (idempotent, thread-safe).
+
+    Returns:
+      True when the CPU extension is present (its targets are registered), False otherwise.
+    """
+    global _cpu_registered
+    if _CPU_EXT is None:
+        return False
+    with _lock:
+        if _cpu_registered is None:
+            regs = _CPU_EXT.registrations()
+            for name, capsule in regs.items():
+                jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+            _cpu_registered = tuple(sorted(regs))
+    return True
+
+
+def cpu_targets() -> tuple[str, ...]:
+    """Names of the FFI targets registered for the CPU (empty without the CPU extension)."""
+    ensure_cpu_registered()
+    return _cpu_registered or ()
+
+
+def cpu_import_error() -> BaseException | None:
+    """Why the CPU extension did not import (None when it did)."""
+    return _CPU_IMPORT_ERROR
+
+
+ensure_cpu_registered()
 if HAS_CUDA_KERNELS:
     ensure_registered()
 else:
     warnings.warn(
         "jax_fp4: the CUDA extension jax_fp4._jax_fp4_cuda is not available "
-        f"({_IMPORT_ERROR}); jax_fp4 runs on its pure-JAX reference implementation on every platform "
-        "(same results, no custom CUDA kernels). Reinstall with a CUDA compiler (nvcc) on PATH to build them.",
+        f"({_IMPORT_ERROR}); jax_fp4 runs on its pure-JAX reference implementation on GPUs "
+        f"(same results, no custom CUDA kernels; CPU kernels: {HAS_CPU_KERNELS}). Reinstall with a CUDA compiler "
+        "(nvcc) on PATH to build them.",
         ReferenceOnlyWarning,
         stacklevel=2,
     )

@@ -3,7 +3,8 @@
 Lowerings:
   * CUDA (when the extension is built): FFI target `jf4_amax` (cpp/amax/amax_ffi.cu), one streaming pass, no
     host sync, command-buffer compatible.
-  * every other platform (and CUDA without the extension): `jax_fp4.reference.amax.amax` via `mlir.lower_fun`.
+  * CPU (when the CPU extension is built): the host handler `jf4_amax` (cpp/cpu/quantize_cpu.cc).
+  * every other platform (and CUDA / CPU without the extension): `jax_fp4.reference.amax.amax` via `mlir.lower_fun`.
 Both are bit-exact with each other: NaNs are ignored, +-inf gives inf, subnormals are kept, empty/all-NaN gives 0.
 
 Transformations:
@@ -69,6 +70,9 @@ mlir.register_lowering(
 if _ffi.ensure_registered():
     mlir.register_lowering(amax_p, partitioning.lowering(amax_p, jax.ffi.ffi_lowering(FFI_TARGET), "amax"),
                            platform="cuda")
+if _ffi.ensure_cpu_registered() and FFI_TARGET in _ffi.cpu_targets():
+    mlir.register_lowering(amax_p, partitioning.lowering(amax_p, jax.ffi.ffi_lowering(FFI_TARGET), "amax"),
+                           platform="cpu")
 
 
 def _batch_rule(batched_args, batch_dims, **params):

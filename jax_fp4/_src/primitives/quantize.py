@@ -28,8 +28,8 @@ tensor scale amax / 2688 left out, an RHT left in place), bit for bit `jf4_dequa
 (NVFP4 block-scales-only mode, MXFP8 to bfloat16). Its scales and window amax are returned as usual. This fuses the
 dequantize of the emulated GEMM into the quantize pass (`jax_fp4.dense`).
 
-Lowerings: CUDA FFI target `jf4_quantize` (cpp/quantize/) when the extension is built; the bit-exact reference
-(`jax_fp4.reference`) otherwise, and for the one layout the kernel does not tile (2D columnwise with P > 1 and
+Lowerings: CUDA FFI target `jf4_quantize` (cpp/quantize/) when the extension is built, and on the CPU its host
+handler (cpp/cpu/) when the CPU extension is built; the bit-exact reference (`jax_fp4.reference`) otherwise, and for the one layout the kernel does not tile (2D columnwise with P > 1 and
 K % 16 != 0, whose 16x16 tiles cross p). vmap folds the batch into P (compact scales, no stochastic rounding, unbatched
 keys), else maps the reference. Not differentiable (the recipes' custom_vjp never differentiates it). Sharding:
 `partitioning.py`.
@@ -276,6 +276,9 @@ def _cuda_lowering(ctx, x, amax_row, amax_col, key_row, key_col, *, row_fmt, col
 
 if _ffi.ensure_registered():
     mlir.register_lowering(quantize_p, partitioning.lowering(quantize_p, _cuda_lowering, "quantize"), platform="cuda")
+# The CPU handler (cpp/cpu/) takes the same operands, attributes and pairings as the CUDA one.
+if _ffi.ensure_cpu_registered() and "jf4_quantize" in _ffi.cpu_targets():
+    mlir.register_lowering(quantize_p, partitioning.lowering(quantize_p, _cuda_lowering, "quantize"), platform="cpu")
 
 
 # ---- batching ---------------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ transform output, as quantize sees it) per leading index p.
 
 Lowerings: CUDA FFI target `jf4_rht_amax` (cpp/quantize/rht_amax_ffi.cu: one read, per-block reduction, one
 atomicMax per block and p on the bit pattern; the output is zeroed with cudaMemsetAsync, command-buffer safe);
-the reference (`reference.rht.forward` + `reference.amax`) everywhere else. vmap folds the batch into P.
+the CPU handler of the same name (cpp/cpu/) when the CPU extension is built; the reference
+(`reference.rht.forward` + `reference.amax`) everywhere else. vmap folds the batch into P.
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ if _ffi.ensure_registered():
         return _ffi_rule(ctx, x, col=np.int32(orientation == "col"))
 
     mlir.register_lowering(rht_amax_p, partitioning.lowering(rht_amax_p, _cuda_lowering, "amax"), platform="cuda")
+if _ffi.ensure_cpu_registered() and "jf4_rht_amax" in _ffi.cpu_targets():
+    _cpu_rule = jax.ffi.ffi_lowering("jf4_rht_amax")
+
+    def _cpu_lowering(ctx, x, *, orientation):
+        return _cpu_rule(ctx, x, col=np.int32(orientation == "col"))
+
+    mlir.register_lowering(rht_amax_p, partitioning.lowering(rht_amax_p, _cpu_lowering, "amax"), platform="cpu")
 
 
 def _batch_rule(args, dims, *, orientation, local=False):

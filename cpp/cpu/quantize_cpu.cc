@@ -1,0 +1,296 @@
+// CPU FFI handlers `jf4_quantize`, `jf4_amax` and `jf4_rht_amax` (registered for platform "cpu" by
+// jax_fp4/_src/ffi.py): the operands, results, attributes and checks of the CUDA handlers
+// (cpp/quantize/quantize_ffi.cu, cpp/amax/amax_ffi.cu, cpp/quantize/rht_amax_ffi.cu), computed on the host in
+// parallel over bands of 16 rows (cpu/parallel.h), bit-exact to jax_fp4.reference (the dbias partial sums are fp32
+// sums in row order).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/convert.cuh"
+#include "common/errors.h"
+#include "common/ffi_utils.h"
+#include "cpu/parallel.h"
+#include "cpu/quantize_cpu.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_fp4 {
+namespace cpu {
+namespace {
+
+constexpr size_t kShardKeyWords = 8;  // quantize.py SHARD_KEY_WORDS
+constexpr int64_t kMinWork = 1 << 15;  // elements per thread below which a call stays on fewer threads
+constexpr int kFlagSwizzled = 1 << 16, kFlagDbias = 1 << 17, kFlagRowExact = 1 << 18, kFlagColExact = 1 << 19;
+
+int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+std::string Shape(int64_t a, int64_t b, int64_t c) {
+  return "[" + std::to_string(a) + ", " + std::to_string(b) + ", " + std::to_string(c) + "]";
+}
+
+ffi::DataType DataType(int kind) {
+  switch (kind) {
+    case kNvfp4: return ffi::DataType::F4E2M1FN;
+    case kMxfp8E4m3: return ffi::DataType::F8E4M3FN;
+    default: return ffi::DataType::F8E5M2;
+  }
+}
+
+ffi::Error CheckBuffer(const ffi::AnyBuffer& b, ffi::DataType dtype, int64_t count, const std::string& what) {
+  JF4_CHECK(b.element_type() == dtype, what + ": expected " + DataTypeName(dtype) + ", got " +
+                                           DataTypeName(b.element_type()));
+  JF4_CHECK(static_cast<int64_t>(ElementCount(b)) == count,
+            what + ": expected " + std::to_string(count) + " elements, got " + std::to_string(ElementCount(b)));
+  JF4_CHECK(count == 0 || b.untyped_data() != nullptr, what + ": null buffer");
+  return ffi::Error::Success();
+}
+
+// Validates one orientation's three results and fills `o` (the checks of quantize_ffi.cu SetupOrientation).
+ffi::Error Setup(Orientation& o, int64_t P, int64_t M, int64_t K, ffi::AnyBuffer data, ffi::AnyBuffer scale,
+                 ffi::AnyBuffer wamax) {
+  const std::string side = o.col ? "columnwise" : "rowwise";
+  if (o.kind == kNone) {
+    JF4_CHECK(!o.exact, side + ": exact operand requested without a format");
+    return ffi::Error::Success();
+  }
+  JF4_CHECK(o.kind == kNvfp4 || o.kind == kMxfp8E4m3 || o.kind == kMxfp8E5m2,
+            side + ": unknown format kind " + std::to_string(o.kind));
+  const bool nvfp4 = o.kind == kNvfp4;
+  const int64_t bs = nvfp4 ? 16 : 32;
+  o.P = P, o.R = o.col ? K : M, o.C = o.col ? M : K;
+  JF4_CHECK(o.C % bs == 0, side + ": block axis of x " + Shape(P, M, K) + " is not a multiple of " +
+                               std::to_string(bs));
+  const bool local = nvfp4 && (o.opts & k1x64);
+  if (local) JF4_CHECK(o.C % 64 == 0, side + ": 1x64 needs the block axis % 64 == 0, x " + Shape(P, M, K));
+  if (nvfp4 && (o.opts & k2d)) {
+    JF4_CHECK(o.R % 16 == 0, side + ": 2D scaling needs 16x16 tiles inside each x[p], x " + Shape(P, M, K));
+  }
+  JF4_CHECK(!(o.exact && local), side + ": no exact operand for 1x64 (its window scales do not factor out)");
+  JF4_RETURN_IF_ERROR(CheckBuffer(data, o.exact ? ffi::DataType::BF16 : DataType(o.kind), P * M * K, side + " data"));
+  const int64_t rows = P * o.R, cols = o.C / bs;
+  int64_t scale_count = rows * cols;
+  if (o.swizzled) {
+    o.cols_padded = RoundUp(cols, 4);
+    scale_count = RoundUp(rows, 128) * o.cols_padded;
+  }
+  JF4_RETURN_IF_ERROR(CheckBuffer(scale, nvfp4 ? ffi::DataType::F8E4M3FN : ffi::DataType::F8E8M0FNU, scale_count,
+                                  side + " scale"));
+  JF4_RETURN_IF_ERROR(CheckBuffer(wamax, ffi::DataType::F32, local ? rows * (o.C / 64) : 0, side + " window amax"));
+  o.data = static_cast<uint8_t*>(data.untyped_data());
+  o.scale = static_cast<uint8_t*>(scale.untyped_data());
+  o.wamax = local ? static_cast<float*>(wamax.untyped_data()) : nullptr;
+  if (o.swizzled && scale_count) std::memset(o.scale, 0, scale_count);  // the padding is part of the output
+  return ffi::Error::Success();
+}
+
+struct Input {
+  const uint8_t* x;
+  int64_t P, M, K;
+  int bytes;
+  bool bf16;
+};
+
+// Rows [r0, r0 + rows) of V[p] (the orientation's view of x) widened to fp32 into buf[rows][C].
+void LoadBand(const Input& in, bool col, int64_t p, int64_t r0, int rows, float* buf) {
+  const int64_t M = in.M, K = in.K;
+  if (!col) {
+    for (int i = 0; i < rows; ++i) WidenRun(in.x + ((p * M + r0 + i) * K) * in.bytes, K, in.bytes, in.bf16, buf + i * K);
+    return;
+  }
+  float tmp[kBand];
+  for (int64_t m = 0; m < M; ++m) {
+    WidenRun(in.x + ((p * M + m) * K + r0) * in.bytes, rows, in.bytes, in.bf16, tmp);
+    for (int i = 0; i < rows; ++i) buf[i * M + m] = tmp[i];
+  }
+}
+
+void RunOrientation(const Input& in, const Orientation& o) {
+  if (o.kind == kNone) return;
+  const int64_t bands = (o.R + kBand - 1) / kBand;
+  ParallelFor(o.P * bands, o.P * o.R * o.C, kMinWork, [&](int64_t u) {
+    const int64_t p = u / bands, r0 = (u % bands) * kBand;
+    const int rows = int(std::min<int64_t>(kBand, o.R - r0));
+    std::vector<float> buf(size_t(rows) * o.C);
+    LoadBand(in, o.col, p, r0, rows, buf.data());
+    EncodeBand(o, p, r0, rows, buf.data());
+  });
+}
+
+// dbias[p, t, k] = sum of x[p, m, k] over the 64-row stripe t, in row order.
+void RunDbias(const Input& in, float* dbias) {
+  const int64_t stripes = (in.M + 63) / 64, K = in.K;
+  ParallelFor(in.P * stripes, in.P * in.M * K, kMinWork, [&](int64_t u) {
+    const int64_t p = u / stripes, m0 = (u % stripes) * 64, m1 = std::min(in.M, m0 + 64);
+    float* out = dbias + u * K;
+    std::fill(out, out + K, 0.0f);
+    std::vector<float> row(K);
+    for (int64_t m = m0; m < m1; ++m) {
+      WidenRun(in.x + ((p * in.M + m) * K) * in.bytes, K, in.bytes, in.bf16, row.data());
+      for (int64_t k = 0; k < K; ++k) out[k] += row[k];
+    }
+  });
+}
+
+ffi::Error InputOf(const ffi::AnyBuffer& x, const char* what, Input* in) {
+  const auto t = x.element_type();
+  JF4_CHECK(t == ffi::DataType::BF16 || t == ffi::DataType::F16 || t == ffi::DataType::F32,
+            std::string(what) + ": unsupported dtype " + DataTypeName(t) + " (expected bfloat16, float16 or float32)");
+  in->x = static_cast<const uint8_t*>(x.untyped_data());
+  in->bytes = t == ffi::DataType::F32 ? 4 : 2;
+  in->bf16 = t == ffi::DataType::BF16;
+  return ffi::Error::Success();
+}
+
+bool Supported(int row_kind, int col_kind) {  // the pairings of quantize_ffi.cu (the lowering splits the others)
+  if (row_kind == kNone || col_kind == kNone) return row_kind != col_kind;
+  if (row_kind == kNvfp4) return true;
+  return row_kind == col_kind;
+}
+
+ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax_row, ffi::Buffer<ffi::F32> amax_col,
+                        ffi::Buffer<ffi::U32> key_row, ffi::Buffer<ffi::U32> key_col, ffi::RemainingArgs,
+                        ffi::Result<ffi::AnyBuffer> row_data, ffi::Result<ffi::AnyBuffer> row_scale,
+                        ffi::Result<ffi::AnyBuffer> row_wamax, ffi::Result<ffi::AnyBuffer> col_data,
+                        ffi::Result<ffi::AnyBuffer> col_scale, ffi::Result<ffi::AnyBuffer> col_wamax,
+                        ffi::Result<ffi::AnyBuffer> dbias, int32_t row_kind, int32_t col_kind, int32_t flags) {
+  const auto dims = x.dimensions();
+  JF4_CHECK(dims.size() == 3, "jf4_quantize: x must be rank 3 [P, M, K], got rank " + std::to_string(dims.size()));
+  Input in{};
+  JF4_RETURN_IF_ERROR(InputOf(x, "jf4_quantize: x", &in));
+  const int64_t P = dims[0], M = dims[1], K = dims[2];
+  in.P = P, in.M = M, in.K = K;
+  JF4_CHECK(Supported(row_kind, col_kind), "jf4_quantize: unsupported format pairing row_kind " +
+                                               std::to_string(row_kind) + ", col_kind " + std::to_string(col_kind));
+  JF4_CHECK(static_cast<int64_t>(ElementCount(amax_row)) == P && static_cast<int64_t>(ElementCount(amax_col)) == P,
+            "jf4_quantize: amax operands must hold P = " + std::to_string(P) + " floats");
+  const auto key_ok = [](size_t n) { return n == 2 || n == kShardKeyWords; };
+  JF4_CHECK(key_ok(ElementCount(key_row)) && key_ok(ElementCount(key_col)),
+            "jf4_quantize: keys must be uint32[2] (Philox key) or uint32[8] (a shard's stream words), got " +
+                std::to_string(ElementCount(key_row)) + " and " + std::to_string(ElementCount(key_col)) + " words");
+  const bool swizzled = flags & kFlagSwizzled, with_dbias = flags & kFlagDbias;
+  JF4_CHECK(!with_dbias || col_kind != kNone, "jf4_quantize: dbias needs a columnwise output");
+
+  Orientation row, col;
+  row.kind = row_kind, row.opts = flags & 0xFF, row.exact = flags & kFlagRowExact, row.swizzled = swizzled;
+  col.kind = col_kind, col.opts = (flags >> 8) & 0xFF, col.exact = flags & kFlagColExact, col.swizzled = swizzled;
+  col.col = true;
+  row.amax = amax_row.typed_data(), col.amax = amax_col.typed_data();
+  row.key = key_row.typed_data(), col.key = key_col.typed_data();
+  row.stream = ElementCount(key_row) == kShardKeyWords ? row.key + 2 : nullptr;
+  col.stream = ElementCount(key_col) == kShardKeyWords ? col.key + 2 : nullptr;
+  JF4_RETURN_IF_ERROR(Setup(row, P, M, K, *row_data, *row_scale, *row_wamax));
+  JF4_RETURN_IF_ERROR(Setup(col, P, M, K, *col_data, *col_scale, *col_wamax));
+  JF4_RETURN_IF_ERROR(CheckBuffer(*dbias, ffi::DataType::F32, with_dbias ? P * ((M + 63) / 64) * K : 0, "dbias"));
+  if (P * M * K == 0) return ffi::Error::Success();
+  JF4_CHECK(in.x != nullptr, "jf4_quantize: null input buffer");
+  RunOrientation(in, row);
+  RunOrientation(in, col);
+  if (with_dbias) RunDbias(in, static_cast<float*>(dbias->untyped_data()));
+  return ffi::Error::Success();
+}
+
+// |x| as fp32 bits with NaN -> 0 (non-negative floats order like their bits): reference/amax.py abs_bits.
+inline uint32_t AbsBits(float v) {
+  const uint32_t a = cvt::Bits(v) & 0x7FFFFFFFu;
+  return a > 0x7F800000u ? 0u : a;
+}
+
+ffi::Error AmaxImpl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  JF4_CHECK(ElementCount(*out) == 1,
+            "jf4_amax: output must hold one float32, got " + std::to_string(ElementCount(*out)) + " elements");
+  Input in{};
+  JF4_RETURN_IF_ERROR(InputOf(x, "jf4_amax: x", &in));
+  const int64_t n = static_cast<int64_t>(ElementCount(x));
+  JF4_CHECK(n == 0 || in.x != nullptr, "jf4_amax: null input buffer");
+  constexpr int64_t kChunk = 1 << 14;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  std::vector<uint32_t> part(chunks, 0u);
+  ParallelFor(chunks, n, kMinWork, [&](int64_t u) {
+    const int64_t b = u * kChunk, e = std::min(n, b + kChunk);
+    float v[256];
+    uint32_t m = 0;
+    for (int64_t i = b; i < e; i += 256) {
+      const int64_t len = std::min<int64_t>(256, e - i);
+      WidenRun(in.x + i * in.bytes, len, in.bytes, in.bf16, v);
+      for (int64_t k = 0; k < len; ++k) m = std::max(m, AbsBits(v[k]));
+    }
+    part[u] = m;
+  });
+  uint32_t m = 0;
+  for (uint32_t v : part) m = std::max(m, v);
+  out->typed_data()[0] = cvt::Float(m);
+  return ffi::Error::Success();
+}
+
+// out[p] = max |RHT(V[p])| over 16-chunks along K (col = 0) or M (col = 1), bf16-rounded as quantize sees it.
+ffi::Error RhtAmaxImpl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t col) {
+  const auto dims = x.dimensions();
+  JF4_CHECK(dims.size() == 3, "jf4_rht_amax: x must be rank 3 [P, M, K], got rank " + std::to_string(dims.size()));
+  Input in{};
+  JF4_RETURN_IF_ERROR(InputOf(x, "jf4_rht_amax: x", &in));
+  in.P = dims[0], in.M = dims[1], in.K = dims[2];
+  const int64_t R = col ? in.K : in.M, C = col ? in.M : in.K;
+  JF4_CHECK(C % 16 == 0, "jf4_rht_amax: the transformed axis of x " + Shape(in.P, in.M, in.K) + " is not % 16");
+  JF4_CHECK(static_cast<int64_t>(ElementCount(*out)) == in.P,
+            "jf4_rht_amax: output must hold P = " + std::to_string(in.P) + " floats");
+  const int64_t bands = (R + kBand - 1) / kBand;
+  std::vector<uint32_t> part(in.P * bands, 0u);
+  if (in.P * R * C != 0) {
+    JF4_CHECK(in.x != nullptr, "jf4_rht_amax: null input buffer");
+    ParallelFor(in.P * bands, in.P * R * C, kMinWork, [&](int64_t u) {
+      const int64_t p = u / bands, r0 = (u % bands) * kBand;
+      const int rows = int(std::min<int64_t>(kBand, R - r0));
+      std::vector<float> buf(size_t(rows) * C);
+      LoadBand(in, col != 0, p, r0, rows, buf.data());
+      uint32_t m = 0;
+      for (int64_t c = 0; c < int64_t(rows) * C; c += 16) {
+        float (&v)[16] = *reinterpret_cast<float(*)[16]>(buf.data() + c);
+        cvt::RhtForward16(v);
+        for (int i = 0; i < 16; ++i) m = std::max(m, AbsBits(v[i]));
+      }
+      part[u] = m;
+    });
+  }
+  for (int64_t p = 0; p < in.P; ++p) {
+    uint32_t m = 0;
+    for (int64_t b = 0; b < bands; ++b) m = std::max(m, part[p * bands + b]);
+    out->typed_data()[p] = cvt::Float(m);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace jax_fp4
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jf4_cpu_quantize, jax_fp4::cpu::QuantizeImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .RemainingArgs()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<int32_t>("row_kind")
+                                  .Attr<int32_t>("col_kind")
+                                  .Attr<int32_t>("flags"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jf4_cpu_amax, jax_fp4::cpu::AmaxImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jf4_cpu_rht_amax, jax_fp4::cpu::RhtAmaxImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<int32_t>("col"));

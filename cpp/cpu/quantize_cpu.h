@@ -1,0 +1,35 @@
+// Per-band encoders of the CPU quantize handler (cpp/cpu/quantize_cpu.cc): one orientation of x[P, M, K] viewed as
+// V[P, R, C] with the block axis last (rowwise: V = x; columnwise: V[p] = x[p].T), processed in bands of 16 rows
+// of one p. The element arithmetic is that of the CUDA kernels (common/convert.cuh, common/e2m1.cuh,
+// dequantize/decode.cuh, compiled for the host), in the order of jax_fp4.reference (NUMERICS.md sections 1-3).
+#pragma once
+
+#include <cstdint>
+
+namespace jax_fp4 {
+namespace cpu {
+
+// Format kinds and NVFP4 option bits of the jf4_quantize attributes (jax_fp4/_src/primitives/quantize.py).
+enum Kind : int { kNone = 0, kNvfp4 = 1, kMxfp8E4m3 = 2, kMxfp8E5m2 = 3 };
+enum Option : int { kSr = 1, kRht = 2, k2d = 4, k1x64 = 8 };
+
+constexpr int kBand = 16;  // oriented rows per work unit (one 2D tile high)
+
+struct Orientation {
+  int kind = kNone, opts = 0;
+  bool col = false, exact = false, swizzled = false;
+  int64_t P = 0, R = 0, C = 0;
+  int64_t cols_padded = 0;      // swizzled scale-matrix columns
+  uint8_t* data = nullptr;      // codes (NVFP4 packed, even index low nibble) or, when exact, bfloat16 values
+  uint8_t* scale = nullptr;
+  float* wamax = nullptr;       // NVFP4 1x64: [P, R, C/64]
+  const float* amax = nullptr;  // [P]
+  const uint32_t* key = nullptr;     // Philox key words k0, k1
+  const uint32_t* stream = nullptr;  // null, or the shard's (p_off, r_off, c_off, P_tot, R_tot, C_tot)
+};
+
+// Encodes rows [r0, r0 + rows) of V[p] held as fp32 in buf[rows][C] (RHT not yet applied).
+void EncodeBand(const Orientation& o, int64_t p, int64_t r0, int rows, float* buf);
+
+}  // namespace cpu
+}  // namespace jax_fp4
