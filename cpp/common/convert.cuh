@@ -126,13 +126,14 @@ JF4_HD uint32_t E5M2x2(float lo, float hi) {
 }
 JF4_HD uint32_t E4M3(float v) { return E4M3x2(v, 0.0f) & 0xFFu; }
 
-// Exact value of an E4M3 code (all E4M3 values are fp32 normals or zero); 0x7F/0xFF (NaN) never occur as scales.
+// Exact value of an E4M3 code (all E4M3 values are fp32 normals or zero). NaN (0x7F/0xFF) is a scale only where a
+// 1x64 window holds an infinity (S_enc,w = 0, bamax * 0 = NaN).
 JF4_HD float E4M3Value(uint32_t code) {
 #if defined(__CUDA_ARCH__)
   const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3);
   return __half2float(__half(h));
 #else
-  return SmallFloatValue<3, 7>(code);
+  return (code & 0x7Fu) == 0x7Fu ? Float(0x7FC00000u) : SmallFloatValue<3, 7>(code);  // NaN (a 1x64 window of inf)
 #endif
 }
 

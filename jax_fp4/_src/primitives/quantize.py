@@ -28,9 +28,10 @@ tensor scale amax / 2688 left out, an RHT left in place), bit for bit `jf4_dequa
 (NVFP4 block-scales-only mode, MXFP8 to bfloat16). Its scales and window amax are returned as usual. This fuses the
 dequantize of the emulated GEMM into the quantize pass (`jax_fp4.dense`).
 
-Lowerings: CUDA FFI target `jf4_quantize` (cpp/quantize/) when the extension is built, and on the CPU its host
-handler (cpp/cpu/) when the CPU extension is built; the bit-exact reference (`jax_fp4.reference`) otherwise, and for the one layout the kernel does not tile (2D columnwise with P > 1 and
-K % 16 != 0, whose 16x16 tiles cross p). vmap folds the batch into P (compact scales, no stochastic rounding, unbatched
+Lowerings: CUDA FFI target `jf4_quantize` (cpp/quantize/) when the extension is built, and on the CPU the host
+handler of that name (cpp/cpu/) when the CPU extension is built; the bit-exact reference (`jax_fp4.reference`)
+otherwise, and for the one layout the kernels do not tile (2D columnwise with P > 1 and K % 16 != 0, whose 16x16
+tiles cross p). vmap folds the batch into P (compact scales, no stochastic rounding, unbatched
 keys), else maps the reference. Not differentiable (the recipes' custom_vjp never differentiates it). Sharding:
 `partitioning.py`.
 """
