@@ -1,7 +1,7 @@
 // Per-band encoders of the CPU quantize handler (cpp/cpu/quantize_cpu.cc): one orientation of x[P, M, K] viewed as
 // V[P, R, C] with the block axis last (rowwise: V = x; columnwise: V[p] = x[p].T), processed in bands of 16 rows
 // of one p. The element arithmetic is that of the CUDA kernels (common/convert.cuh, common/e2m1.cuh,
-// dequantize/decode.cuh, compiled for the host), in the order of jax_fp4.reference (NUMERICS.md sections 1-3).
+// dequantize/decode.cuh, compiled for the host), in the order of jax_fp4.reference (docs/numerics.md sections 1-3).
 #pragma once
 
 #include <cstdint>
