@@ -12,6 +12,9 @@ namespace nb = nanobind;
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_cpu_amax);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_cpu_quantize);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_cpu_rht_amax);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_cpu_dequantize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_cpu_swizzle);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_cpu_unswizzle);
 
 namespace {
 
@@ -33,6 +36,9 @@ NB_MODULE(_jax_fp4_cpu, m) {
         d["jf4_amax"] = EncapsulateFfiHandler(jf4_cpu_amax);
         d["jf4_quantize"] = EncapsulateFfiHandler(jf4_cpu_quantize);
         d["jf4_rht_amax"] = EncapsulateFfiHandler(jf4_cpu_rht_amax);
+        d["jf4_dequantize"] = EncapsulateFfiHandler(jf4_cpu_dequantize);
+        d["jf4_swizzle"] = EncapsulateFfiHandler(jf4_cpu_swizzle);
+        d["jf4_unswizzle"] = EncapsulateFfiHandler(jf4_cpu_unswizzle);
         return d;
       },
       "Return {target_name: PyCapsule} for every CPU FFI handler in this extension.");

@@ -21,8 +21,9 @@ Constraints (abstract eval; `ValueError` naming the shapes, dtypes and format): 
 data dtype; the block axis a whole number of blocks (1x64: of 64-windows); scale of the format's scale dtype and
 the shape above; amax / window_amax as above; mx_columnwise only for MXFP8, transpose_out only for NVFP4.
 
-Lowerings: CUDA FFI target `jf4_dequantize` (cpp/dequantize/) when the extension is built, the bit-exact
-reference (`jax_fp4.reference.nvfp4.dequantize` / `mxfp8.dequantize`) elsewhere. vmap folds the batch into P
+Lowerings: CUDA FFI target `jf4_dequantize` (cpp/dequantize/) when the extension is built, on the CPU the host
+handler of that name (cpp/cpu/) when the CPU extension is built, the bit-exact reference
+(`jax_fp4.reference.nvfp4.dequantize` / `mxfp8.dequantize`) elsewhere. vmap folds the batch into P
 (swizzled scales are unswizzled first by `jf4_unswizzle`), so batched calls run the kernel too. Sharding:
 partitioning.py. Autodiff: stop_gradient semantics (a symbolic-zero tangent for every operand), as the reference's
 integer-exact arithmetic had; quantized training differentiates through the recipes' custom_vjp instead.
@@ -199,6 +200,9 @@ def _cuda_lowering(ctx, data, scale, amax, window_amax, **params):
 if _ffi.ensure_registered() and "jf4_dequantize" in _ffi.targets():
     mlir.register_lowering(dequantize_p, partitioning.lowering(dequantize_p, _cuda_lowering, "dequantize"),
                            platform="cuda")
+if _ffi.ensure_cpu_registered() and "jf4_dequantize" in _ffi.cpu_targets():  # the host handler (cpp/cpu/)
+    mlir.register_lowering(dequantize_p, partitioning.lowering(dequantize_p, _cuda_lowering, "dequantize"),
+                           platform="cpu")
 
 
 # ---- batching: fold the batch into P ----------------------------------------------------------------------------

@@ -11,7 +11,8 @@ Padding is zero bytes (E4M3 +0, E8M0 code 0). 8-bit dtypes: float8_e4m3fn, float
 Constraints (abstract eval, `ValueError` naming the shape and dtype): rank >= 2; one of the 8-bit dtypes above;
 unswizzle: rows, cols >= 0 and sw.shape[-2:] == (round_up(rows, 128), round_up(cols, 4)).
 
-Lowerings: CUDA FFI targets `jf4_swizzle` / `jf4_unswizzle` (cpp/swizzle/) when the extension is built, the
+Lowerings: CUDA FFI targets `jf4_swizzle` / `jf4_unswizzle` (cpp/swizzle/) when the extension is built, on the
+CPU the host handlers of those names (cpp/cpu/) when the CPU extension is built, the
 reference (`jax_fp4.reference.layout.swizzle` / `unswizzle`) elsewhere; bit-identical, exact inverses
 (unswizzle(swizzle(s)) == s). Empty matrices launch nothing. vmap: the batch dimension becomes a leading dimension.
 Sharding (partitioning.py): leading dimensions parallel, the rows in whole 128-row tiles, the columns gathered.
@@ -124,6 +125,10 @@ if _ffi.ensure_registered() and {"jf4_swizzle", "jf4_unswizzle"} <= set(_ffi.tar
     mlir.register_lowering(swizzle_p, partitioning.lowering(swizzle_p, _cuda_swizzle, "swizzle"), platform="cuda")
     mlir.register_lowering(unswizzle_p, partitioning.lowering(unswizzle_p, _cuda_unswizzle, "unswizzle"),
                            platform="cuda")
+if _ffi.ensure_cpu_registered() and {"jf4_swizzle", "jf4_unswizzle"} <= set(_ffi.cpu_targets()):  # cpp/cpu/
+    mlir.register_lowering(swizzle_p, partitioning.lowering(swizzle_p, _cuda_swizzle, "swizzle"), platform="cpu")
+    mlir.register_lowering(unswizzle_p, partitioning.lowering(unswizzle_p, _cuda_unswizzle, "unswizzle"),
+                           platform="cpu")
 
 
 # ---- batching: the batch dimension becomes a leading (matrix) dimension ------------------------------------------

@@ -1,0 +1,275 @@
+// CPU FFI handlers `jf4_dequantize`, `jf4_swizzle` and `jf4_unswizzle`: the operands, results, attributes and checks
+// of the CUDA handlers (cpp/dequantize/dequantize_ffi.cu, cpp/swizzle/swizzle_ffi.cu), computed on the host in
+// parallel over rows, bit-exact to jax_fp4.reference (docs/numerics.md sections 1-3) with the kernels' decoders
+// (dequantize/decode.cuh, common/convert.cuh compiled for the host).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/convert.cuh"
+#include "common/errors.h"
+#include "common/ffi_utils.h"
+#include "common/scale_layout.cuh"
+#include "cpu/parallel.h"
+#include "dequantize/decode.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_fp4 {
+namespace cpu {
+namespace {
+
+// dequantize.py flags (cpp/dequantize/args.cuh Option).
+constexpr int kRhtFlag = 2, k1x64Flag = 8, kSwizzledFlag = 1 << 16, kTransposeOut = 1 << 17, kMxColumnwise = 1 << 18,
+              kBlockOnlyFlag = 1 << 19;
+constexpr int64_t kMinWork = 1 << 15;
+
+int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// float16 bits of v, RNE with gradual underflow, overflow to inf, NaN -> 0x7E00 (the reference's canonical NaN).
+uint32_t F16Rne(float v) {
+  const uint32_t b = cvt::Bits(v), mag = b & 0x7FFFFFFFu, sign = (b >> 16) & 0x8000u;
+  if (mag > 0x7F800000u) return 0x7E00u;
+  uint32_t code;
+  if (mag < 0x38800000u) {  // below 2^-14: multiples of 2^-24, by exact scaling (may round up to 0x400)
+    code = uint32_t(std::nearbyint(std::ldexp(cvt::Float(mag), 24)));
+  } else {
+    code = ((mag + 0xFFFu + ((mag >> 13) & 1u)) >> 13) - (112u << 10);
+    if (code > 0x7C00u) code = 0x7C00u;
+  }
+  return sign | code;
+}
+
+// The output element of fp32 v: float32 with canonical NaN, bfloat16 / float16 RNE with canonical NaN.
+void Store(void* out, int bytes, bool bf16, int64_t i, float v) {
+  if (bytes == 4) {
+    const uint32_t b = v != v ? 0x7FC00000u : cvt::Bits(v);
+    std::memcpy(static_cast<uint8_t*>(out) + 4 * i, &b, 4);
+  } else {
+    const uint16_t b = uint16_t(bf16 ? cvt::Bf16Rne(v) : F16Rne(v));
+    std::memcpy(static_cast<uint8_t*>(out) + 2 * i, &b, 2);
+  }
+}
+
+// Inverse RHT of one 16-chunk (reference/rht.py inverse): flush, butterfly (flushed), * 0.25 (flushed), signs.
+void RhtInverse16(float (&v)[16]) {
+  cvt::RhtButterfly16(v);
+  for (int i = 0; i < 16; ++i) {
+    const float y = cvt::Flush(cvt::Mul(v[i], 0.25f));
+    v[i] = ((cvt::kRhtSignMask >> i) & 1u) ? -y : y;
+  }
+}
+
+struct Geometry {
+  const uint8_t* data;
+  const uint8_t* scale;
+  const float* amax;  // tensor amax, null for block-only / 1x64 / MXFP8
+  bool amax_per_p;
+  const float* wamax;
+  int64_t P, R, C, cols_padded;
+  int kind, flags;
+  void* out;
+  int out_bytes;
+  bool out_bf16;
+};
+
+int64_t ScaleIdx(const Geometry& g, int64_t row, int64_t j, int64_t cols) {
+  return (g.flags & kSwizzledFlag) ? layout::SwizzledIndex(row, j, g.cols_padded) : row * cols + j;
+}
+
+// Row r of data[p]: NVFP4, or MXFP8 rowwise (blocks along C).
+void DequantizeRow(const Geometry& g, int64_t p, int64_t r, float* v) {
+  const int64_t C = g.C, row = p * g.R + r;
+  if (g.kind == dequantize::kNvfp4) {
+    const int64_t nb = C / 16;
+    const bool local = g.flags & k1x64Flag;
+    const float a = g.amax ? g.amax[g.amax_per_p ? p : 0] : 0.0f;
+    for (int64_t j = 0; j < nb; ++j) {
+      const float s_b = cvt::E4M3Value(g.scale[ScaleIdx(g, row, j, nb)]);
+      const uint8_t* d = g.data + (row * C + 16 * j) / 2;
+      float f = s_b, enc = 1.0f;
+      if (local) enc = cvt::WindowEncodeScale(g.wamax[row * (C / 64) + j / 4]);
+      else if (g.amax) f = cvt::Mul(cvt::Mul(s_b, a), cvt::kInv2688());
+      for (int i = 0; i < 16; ++i) {
+        const float q = dequantize::E2M1Value((d[i >> 1] >> (4 * (i & 1))) & 0xFu);
+        v[16 * j + i] = local ? cvt::Div(cvt::Mul(q, s_b), enc) : cvt::Mul(q, f);
+      }
+      if (g.flags & kRhtFlag) RhtInverse16(*reinterpret_cast<float(*)[16]>(v + 16 * j));
+    }
+    return;
+  }
+  const int64_t nb = C / 32;
+  const uint8_t* d = g.data + row * C;
+  for (int64_t j = 0; j < nb; ++j) {
+    const float s = dequantize::E8M0Value(g.scale[ScaleIdx(g, row, j, nb)]);
+    for (int i = 0; i < 32; ++i) {
+      const uint32_t code = d[32 * j + i];
+      const float q = g.kind == dequantize::kMxfp8E4m3 ? dequantize::Fp8Value<dequantize::kMxfp8E4m3>(code)
+                                                       : dequantize::Fp8Value<dequantize::kMxfp8E5m2>(code);
+      v[32 * j + i] = cvt::Mul(q, s);
+    }
+  }
+}
+
+void Run(const Geometry& g) {
+  const bool mx_col = g.flags & kMxColumnwise, transpose = g.flags & kTransposeOut;
+  if (mx_col) {  // MXFP8 blocks along R: a unit is one 32-row block of data[p]
+    const int64_t nbr = g.R / 32;
+    ParallelFor(g.P * nbr, g.P * g.R * g.C, kMinWork, [&](int64_t u) {
+      const int64_t p = u / nbr, jb = u % nbr;
+      for (int64_t c = 0; c < g.C; ++c) {
+        const int64_t idx = (g.flags & kSwizzledFlag) ? layout::SwizzledIndex(p * g.C + c, jb, g.cols_padded)
+                                                       : (p * nbr + jb) * g.C + c;
+        const float s = dequantize::E8M0Value(g.scale[idx]);
+        for (int i = 0; i < 32; ++i) {
+          const int64_t e = (p * g.R + 32 * jb + i) * g.C + c;
+          const uint32_t code = g.data[e];
+          const float q = g.kind == dequantize::kMxfp8E4m3 ? dequantize::Fp8Value<dequantize::kMxfp8E4m3>(code)
+                                                           : dequantize::Fp8Value<dequantize::kMxfp8E5m2>(code);
+          Store(g.out, g.out_bytes, g.out_bf16, e, cvt::Mul(q, s));
+        }
+      }
+    });
+    return;
+  }
+  ParallelFor(g.P * g.R, g.P * g.R * g.C, kMinWork, [&](int64_t u) {
+    const int64_t p = u / g.R, r = u % g.R;
+    std::vector<float> v(g.C);
+    DequantizeRow(g, p, r, v.data());
+    for (int64_t c = 0; c < g.C; ++c) {
+      Store(g.out, g.out_bytes, g.out_bf16, transpose ? (p * g.C + c) * g.R + r : u * g.C + c, v[c]);
+    }
+  });
+}
+
+ffi::Error DequantizeImpl(ffi::AnyBuffer data, ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> amax,
+                          ffi::Buffer<ffi::F32> window_amax, ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> out,
+                          int32_t kind, int32_t flags) {
+  const auto dims = data.dimensions();
+  JF4_CHECK(dims.size() == 3, "jf4_dequantize: data must be rank 3 [P, R, C], got rank " +
+                                  std::to_string(dims.size()));
+  const int64_t P = dims[0], R = dims[1], C = dims[2];
+  const std::string where = "jf4_dequantize: data [" + std::to_string(P) + ", " + std::to_string(R) + ", " +
+                            std::to_string(C) + "]";
+  const bool nvfp4 = kind == dequantize::kNvfp4;
+  JF4_CHECK(nvfp4 || kind == dequantize::kMxfp8E4m3 || kind == dequantize::kMxfp8E5m2,
+            where + ": unknown kind " + std::to_string(kind));
+  const ffi::DataType dtype = nvfp4 ? ffi::DataType::F4E2M1FN
+                                    : (kind == dequantize::kMxfp8E4m3 ? ffi::DataType::F8E4M3FN : ffi::DataType::F8E5M2);
+  JF4_CHECK(data.element_type() == dtype, where + ": data dtype " + DataTypeName(data.element_type()));
+  const bool col = !nvfp4 && (flags & kMxColumnwise);
+  const bool local = nvfp4 && (flags & k1x64Flag);
+  const bool transpose = flags & kTransposeOut;
+  JF4_CHECK(!transpose || nvfp4, where + ": only NVFP4 output is transposed");
+  JF4_CHECK(!(flags & kMxColumnwise) || !nvfp4, where + ": kMxColumnwise is for MXFP8");
+  const int64_t bs = nvfp4 ? 16 : 32;
+  JF4_CHECK((col ? R % bs == 0 : C % bs == 0) && (!local || C % 64 == 0),
+            where + ": the block axis is not a whole number of blocks (1x64: windows)");
+  const int64_t rows = col ? P * C : P * R, cols = col ? R / bs : C / bs;
+  const bool swizzled = flags & kSwizzledFlag;
+  const int64_t scale_count = swizzled ? RoundUp(rows, 128) * RoundUp(cols, 4) : rows * cols;
+  JF4_CHECK(scale.element_type() == (nvfp4 ? ffi::DataType::F8E4M3FN : ffi::DataType::F8E8M0FNU),
+            where + ": scale dtype " + DataTypeName(scale.element_type()));
+  JF4_CHECK(static_cast<int64_t>(ElementCount(scale)) == scale_count,
+            where + ": scale holds " + std::to_string(ElementCount(scale)) + " elements, expected " +
+                std::to_string(scale_count));
+  const int64_t amax_count = static_cast<int64_t>(ElementCount(amax));
+  const bool block_only = nvfp4 && !local && amax_count == 0;
+  const bool tensor_scale = nvfp4 && !local && !block_only;
+  JF4_CHECK(!tensor_scale || amax_count == 1 || amax_count == P,
+            where + ": NVFP4 takes its tensor amax as 1 or P floats (or none: block scales only), got " +
+                std::to_string(amax_count));
+  JF4_CHECK(!(flags & kBlockOnlyFlag), where + ": kBlockOnly is set from an empty amax, not passed");
+  JF4_CHECK(!local || static_cast<int64_t>(ElementCount(window_amax)) == P * R * (C / 64),
+            where + ": 1x64 window amax must hold P*R*C/64 floats");
+  const auto od = out->dimensions();
+  JF4_CHECK(od.size() == 3 && od[0] == P && od[1] == (transpose ? C : R) && od[2] == (transpose ? R : C),
+            where + ": output shape mismatch");
+  const auto ot = out->element_type();
+  JF4_CHECK(ot == ffi::DataType::F32 || ot == ffi::DataType::BF16 || ot == ffi::DataType::F16,
+            where + ": output dtype " + DataTypeName(ot) + " (expected float32, bfloat16 or float16)");
+  if (P * R * C == 0) return ffi::Error::Success();
+  Geometry g{};
+  g.data = static_cast<const uint8_t*>(data.untyped_data());
+  g.scale = static_cast<const uint8_t*>(scale.untyped_data());
+  g.amax = tensor_scale ? amax.typed_data() : nullptr;
+  g.amax_per_p = tensor_scale && amax_count == P && P > 1;
+  g.wamax = local ? window_amax.typed_data() : nullptr;
+  g.P = P, g.R = R, g.C = C, g.cols_padded = RoundUp(cols, 4);
+  g.kind = kind, g.flags = flags;
+  g.out = out->untyped_data();
+  g.out_bytes = ot == ffi::DataType::F32 ? 4 : 2;
+  g.out_bf16 = ot == ffi::DataType::BF16;
+  JF4_CHECK(g.data != nullptr && g.scale != nullptr && g.out != nullptr, where + ": null buffer");
+  Run(g);
+  return ffi::Error::Success();
+}
+
+// ---- swizzle / unswizzle ------------------------------------------------------------------------------------------
+bool ByteType(ffi::DataType t) {
+  return t == ffi::DataType::U8 || t == ffi::DataType::S8 || t == ffi::DataType::F8E4M3FN ||
+         t == ffi::DataType::F8E5M2 || t == ffi::DataType::F8E8M0FNU;
+}
+
+template <bool kSwizzle>
+ffi::Error LayoutImpl(ffi::AnyBuffer in, ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> out) {
+  const char* name = kSwizzle ? "jf4_swizzle" : "jf4_unswizzle";
+  const ffi::AnyBuffer& compact = kSwizzle ? in : *out;
+  const ffi::AnyBuffer& swizzled = kSwizzle ? *out : in;
+  const auto cd = compact.dimensions(), sd = swizzled.dimensions();
+  const std::string where = name;
+  JF4_CHECK(ByteType(in.element_type()) && in.element_type() == out->element_type(),
+            where + ": in and out must share one 8-bit dtype, got " + DataTypeName(in.element_type()) + " and " +
+                DataTypeName(out->element_type()));
+  JF4_CHECK(cd.size() >= 2 && cd.size() == sd.size(), where + ": matrices of rank >= 2 with equal ranks");
+  int64_t batch = 1;
+  for (size_t i = 0; i + 2 < cd.size(); ++i) {
+    JF4_CHECK(cd[i] == sd[i], where + ": leading dimensions differ");
+    batch *= cd[i];
+  }
+  const int64_t rows = cd[cd.size() - 2], cols = cd[cd.size() - 1];
+  const int64_t rp = RoundUp(rows, 128), cp = RoundUp(cols, 4);
+  JF4_CHECK(sd[sd.size() - 2] == rp && sd[sd.size() - 1] == cp,
+            where + ": the swizzled matrix must be [round_up(rows, 128), round_up(cols, 4)] = [" +
+                std::to_string(rp) + ", " + std::to_string(cp) + "]");
+  if (batch * rp * cp == 0) return ffi::Error::Success();
+  const auto* src = static_cast<const uint8_t*>(in.untyped_data());
+  auto* dst = static_cast<uint8_t*>(out->untyped_data());
+  JF4_CHECK(src != nullptr && dst != nullptr, where + ": null buffer");
+  const int64_t tiles = rp / 128;
+  ParallelFor(batch * tiles, batch * rp * cp, kMinWork, [&](int64_t u) {
+    const int64_t b = u / tiles, i0 = (u % tiles) * 128;
+    const uint8_t* s = src + b * (kSwizzle ? rows * cols : rp * cp);
+    uint8_t* d = dst + b * (kSwizzle ? rp * cp : rows * cols);
+    for (int64_t i = i0; i < i0 + 128; ++i) {
+      for (int64_t j = 0; j < cp; ++j) {
+        const int64_t z = layout::SwizzledIndex(i, j, cp);
+        const bool inside = i < rows && j < cols;
+        if (kSwizzle) d[z] = inside ? s[i * cols + j] : 0;  // the padding is zero bytes
+        else if (inside) d[i * cols + j] = s[z];
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace jax_fp4
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jf4_cpu_dequantize, jax_fp4::cpu::DequantizeImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<int32_t>("kind")
+                                  .Attr<int32_t>("flags"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jf4_cpu_swizzle, jax_fp4::cpu::LayoutImpl<true>,
+                              xla::ffi::Ffi::Bind().Arg<xla::ffi::AnyBuffer>().RemainingArgs().Ret<xla::ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jf4_cpu_unswizzle, jax_fp4::cpu::LayoutImpl<false>,
+                              xla::ffi::Ffi::Bind().Arg<xla::ffi::AnyBuffer>().RemainingArgs().Ret<xla::ffi::AnyBuffer>());
