@@ -38,11 +38,14 @@ class Impl:
         return jax.device_put(x, self.device)
 
     def check_lowering(self, fn, *args):
-        """Assert the jitted `fn` lowers to the FFI custom call on GPU and to the reference on CPU."""
+        """Assert the jitted `fn` lowers to the FFI custom call on GPU, and on CPU to the host handler when the CPU
+        extension is built, else to the reference."""
         text = jax.jit(fn).lower(*args).as_text()
         if self.platform == "gpu":
             assert ffi.HAS_CUDA_KERNELS, f"GPU test without the CUDA extension: {ffi.import_error()}"
             assert CUSTOM_CALL.search(text), f"no jf4_amax custom call in the GPU HLO:\n{text}"
+        elif ffi.HAS_CPU_KERNELS:
+            assert CUSTOM_CALL.search(text), f"no jf4_amax custom call in the CPU HLO:\n{text}"
         else:
             assert not CUSTOM_CALL.search(text), text
 

@@ -83,7 +83,9 @@ def test_arbitrary_codes(fmt):
         scale = jnp.asarray(rng.integers(0, 256, (P, R, C // 32), dtype=np.uint8)).view(jnp.float8_e8m0fnu)
     amax = jnp.asarray(np.array([0.0, 3e38], np.float32) if not fmt.local_1x64 else np.zeros(0, np.float32)) \
         if isinstance(fmt, NVFP4) else jnp.zeros((0,), jnp.float32)
-    wamax = jnp.asarray(np.resize(np.array([0.0, 1e-40, 1.0, np.inf, 3e38, 1e-12], np.float32), (P, R, C // 64))) \
+    # (No subnormal window amax: XLA:CPU's DAZ inside the reference's fused `is_zero` reads one as 0, unlike the
+    # kernels' IEEE compare.)
+    wamax = jnp.asarray(np.resize(np.array([0.0, 1e-30, 1.0, np.inf, 3e38, 1e-12], np.float32), (P, R, C // 64))) \
         if isinstance(fmt, NVFP4) and fmt.local_1x64 else jnp.zeros((0,), jnp.float32)
     for dt in OUT:
         params = dict(fmt=fmt, out_dtype=jnp.dtype(dt), scale_layout="compact", mx_columnwise=False,
