@@ -60,6 +60,7 @@ from jax_fp4.flax import nnx as fnnx
 from jax_fp4.flax import policy as fpolicy
 from jax_fp4.flax.moe import MoEMLP
 from jax_fp4.formats import NVFP4 as NVFP4Format
+from jax_fp4.policy import format_table
 from jax_fp4.recipes import BF16, Recipe
 
 VOCAB = 256  # byte-level tokens
@@ -395,7 +396,7 @@ def build_phases(cfg: ModelConfig, recipe: Recipe, policies, opt_cfg: OptConfig,
     graphdefs, tables, state = [], [], None
     for pol in policies:
         _apply_policy(pol, model, rngs)
-        tables.append(fpolicy.describe(pol, model))
+        tables.append(_recipe_table(pol, model))
         graphdef, st = nnx.split((model, opt))
         if state is not None and jax.tree.structure(st) != jax.tree.structure(state):
             raise ValueError("build_phases: the phases' states differ")
@@ -405,6 +406,15 @@ def build_phases(cfg: ModelConfig, recipe: Recipe, policies, opt_cfg: OptConfig,
         state = jax.device_put(state, state_shardings(state, mesh))
     return Phases(graphdefs, state, [make_train_step(g, state, mesh) for g in graphdefs],
                   [make_train_step(g, state, mesh, diagnostics=True) for g in graphdefs], tables)
+
+
+def _recipe_table(policy, model) -> str:
+    """The layer -> recipe table of the model as built (MoE experts: their `expert_recipe`) and the deciding rule."""
+    rows = []
+    for path, node in fpolicy.layers(model).items():
+        rule = policy.match(path)
+        rows.append((path, node.recipe.name, "default" if rule is None else repr(rule.pattern)))
+    return format_table(rows)
 
 
 def _apply_policy(policy, model, rngs):
