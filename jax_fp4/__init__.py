@@ -4,6 +4,7 @@ Public surface (the README's "API" section has the signatures; the numeric contr
   NVFP4, MXFP8, Format                  format specs (frozen, hashable; jax_fp4.formats)
   quantize, quantize_rowwise_columnwise -> QuantizedArray (one orientation, or both from one read)
   dequantize                            QuantizedArray -> float32 / bfloat16 / float16
+  fake_quantize                         dequantize(quantize(x)) with a straight-through gradient (QAT)
   swizzle_scales, unswizzle_scales      compact <-> GEMM-swizzled scale layout
   tensor_amax                           fmax-reduction of |x| (CUDA kernel where available)
   scaled_dot_general                    product of two QuantizedArrays (emulated, or native on sm_100)
@@ -21,6 +22,7 @@ from jax_fp4._src import ffi as _ffi
 from jax_fp4._src.ffi import HAS_CUDA_KERNELS, ReferenceOnlyWarning
 from jax_fp4._src.primitives.amax import tensor_amax
 from jax_fp4.dense import dense, dot_general
+from jax_fp4.fake_quantize import fake_quantize
 from jax_fp4.formats import MXFP8, NVFP4, Format
 from jax_fp4.gemm import scaled_dot_general
 from jax_fp4.grouped import grouped_dequantize, grouped_quantize, grouped_quantize_rowwise_columnwise
@@ -33,7 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "HAS_CUDA_KERNELS", "MXFP8", "NVFP4", "Format", "QuantizedArray", "ReferenceOnlyWarning", "dense", "dequantize",
-    "dot_general", "recipes", "scaled_dot_general",
+    "dot_general", "fake_quantize", "recipes", "scaled_dot_general",
     "GroupedQuantizedArray", "grouped_dequantize", "grouped_quantize", "grouped_quantize_rowwise_columnwise",
     "ragged_dot",
     "quantize", "quantize_rowwise_columnwise", "reference", "swizzle_scales", "tensor_amax", "unswizzle_scales",

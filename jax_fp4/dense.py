@@ -23,11 +23,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_fp4._src.vjp_util import dtype_tag, operand_keys
+from jax_fp4._src.vjp_util import dtype_tag, operand_keys, reverse_mode_only
 from jax_fp4.formats import NVFP4
-from jax_fp4.gemm import ExactOperand, exact_dot_general, native_gemm_available, scaled_dot_general
+from jax_fp4.gemm import (
+    ExactOperand,
+    canonical_dimension_numbers,
+    exact_dot_general,
+    native_gemm_available,
+    scaled_dot_general,
+)
 from jax_fp4.quantize import quantize_rowwise_columnwise
-from jax_fp4.recipes import Recipe
+from jax_fp4.recipes import Recipe, resolve
 
 __all__ = ["dense", "dot_general", "RESIDUAL_NAMES"]
 
@@ -61,12 +67,25 @@ def _gemm(a, b, dn):
     return lax.dot_general(a, b, dn, preferred_element_type=jnp.float32)
 
 
+def _forward(recipe, x2, w, bias, key):
+    """y alone: only the fprop operands are quantized (no wgrad x, no dgrad w, no residuals)."""
+    kx, kw, _ = operand_keys(key)
+    emulated = not native_gemm_available()
+    x_fprop, _, _ = _quantize_pair(x2, recipe.fprop_x, None, kx, exact=(emulated, False))
+    _, w_fprop, _ = _quantize_pair(w, None, recipe.fprop_w, kw, exact=(False, emulated))
+    y = _gemm(x_fprop, w_fprop, _FPROP)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(jnp.result_type(x2, w))
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dense(recipe, x2, w, bias, key):
-    return _dense_fwd(recipe, x2, w, bias, key)[0]
+    return _forward(recipe, x2, w, bias, key)
 
 
 def _dense_fwd(recipe, x2, w, bias, key):
+    recipe.check_key(key, "dense", backward=True)
     kx, kw, kdy = operand_keys(key)
     emulated = not native_gemm_available()
     x_fprop, x_wgrad, _ = _quantize_pair(x2, recipe.fprop_x, recipe.wgrad_x, kx, exact=(emulated, False))
@@ -102,8 +121,16 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None):
       x: bfloat16/float16/float32 [..., K]; the tokens M = prod(x.shape[:-1]).
       kernel: [K, N] (same float dtypes).
       bias: [N] or None.
-      recipe: a `jax_fp4.recipes.Recipe` (BF16 runs plain `lax.dot_general`, exactly like flax's Linear).
-      key: PRNG key, required when the recipe uses stochastic rounding.
+      recipe: a `jax_fp4.recipes.Recipe` or its name (`recipes.by_name`); BF16 runs plain `lax.dot_general`,
+        exactly like flax's Linear.
+      key: PRNG key for stochastic rounding: required when an fprop operand rounds stochastically, and when the
+        call is differentiated with a recipe that rounds a gradient operand stochastically (e.g. `recipes.NVFP4()`);
+        a forward-only call of such a recipe needs none.
+
+    Forward-only calls (no VJP taken: inference, `jax.jit` without `grad`) quantize only the fprop operands (x
+    rowwise, w along K), so they carry no wgrad / dgrad shape constraint (e.g. MXFP8's M % 32 of the columnwise x)
+    and write no residuals. Differentiated calls (`jax.grad`, `jax.vjp`) run the custom VJP. Forward-mode
+    differentiation (`jax.jvp`, `jax.jacfwd`, `jax.hessian`) is not supported: it raises TypeError saying so.
 
     Returns:
       [..., N] in the promoted dtype of x and kernel, as `lax.dot_general` gives (the quantized GEMMs accumulate in
@@ -111,8 +138,11 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None):
 
     Raises:
       ValueError: shapes that do not line up, a missing key, or shapes the recipe's formats cannot block (e.g.
-      MXFP8 wgrad needs M % 32 == 0, NVFP4 needs K and N % 16 == 0; the message names the shape and format).
+      MXFP8 wgrad needs M % 32 == 0 when differentiated, NVFP4 needs K and N % 16 == 0; the message names the shape
+      and format).
+      TypeError: a recipe that is neither a Recipe nor a known name; forward-mode differentiation.
     """
+    recipe = resolve(recipe, "dense")
     x, kernel = jnp.asarray(x), jnp.asarray(kernel)
     if kernel.ndim != 2 or x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
         raise ValueError(f"dense: x {x.dtype}{list(x.shape)} and kernel {kernel.dtype}{list(kernel.shape)} do not "
@@ -124,25 +154,59 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None):
         if bias is not None:
             y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
         return y
-    if recipe.needs_key and key is None:
-        raise ValueError(f"dense: recipe {recipe.name} uses stochastic rounding and needs key=...")
+    recipe.check_key(key, "dense", backward=False)
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), x.shape[-1])
-    y = _dense(recipe, x2, kernel, bias, key)
+    y = reverse_mode_only(_dense, "jax_fp4.dense")(recipe, x2, kernel, bias, key)
     return y.reshape(*lead, kernel.shape[1])
 
 
 def dot_general(x, w, dimension_numbers, *, recipe: Recipe, key=None):
-    """`lax.dot_general(x, w, dimension_numbers)` with the GEMMs quantized as `recipe` says (custom VJP).
+    """`lax.dot_general(x, w, dimension_numbers)` with the GEMMs quantized as `recipe` says (custom VJP of `dense`).
 
-    Supported: x contracting its last axis with w's first axis and no batch axes (w may have several output axes:
-    [K, N1, N2, ...]), the form of every dense / projection layer. Other dimension numbers raise ValueError.
+    Any dimension numbers: x is transposed to (batch, free, contracting) and w to (batch, contracting, free) (no
+    transpose when the axes are already there, e.g. x[..., K1, K2] . w[K1, K2, N...], DenseGeneral's form), the
+    contracting axes are flattened into one K axis (the block axis, in the order the dimension numbers list them),
+    the free axes into M and N, and the batch axes into one axis B over which `jax.vmap` maps `dense` (one NVFP4
+    tensor scale per batch element; with stochastic rounding, batch element b uses jax.random.split(key, B)[b]).
+
+    Args:
+      x, w: float arrays; w needs at least one free axis (N), x may have none (M = 1).
+      dimension_numbers: ((x_contracting, w_contracting), (x_batch, w_batch)) as `lax.dot_general`.
+      recipe, key: as `dense`.
+
+    Returns:
+      `lax.dot_general`'s layout (batch, x free, w free) in the promoted dtype of x and w.
+
+    Raises:
+      ValueError: a dimension outside its operand's rank, unpaired or repeated dimensions, no contracting
+      dimension, w without a free axis, non-floating operands; and the errors of `dense`.
     """
-    (cx, cw), (bx, bw) = dimension_numbers
     x, w = jnp.asarray(x), jnp.asarray(w)
-    if bx or bw or tuple(cx) not in ((x.ndim - 1,), (-1,)) or tuple(cw) != (0,):
-        raise ValueError(f"dot_general: only x[..., K] . w[K, ...] (contracting x's last and w's first axis, no "
-                         f"batch axes) is supported, got {dimension_numbers} for {x.shape} . {w.shape}")
-    out = w.shape[1:]
-    y = dense(x, w.reshape(w.shape[0], math.prod(out)), recipe=recipe, key=key)
-    return y.reshape(*x.shape[:-1], *out)
+    (cl, cr), (bl, br) = canonical_dimension_numbers(dimension_numbers, x.ndim, w.ndim)
+    if not cl or w.ndim == len(cr) + len(br):
+        raise ValueError(f"dot_general: {x.shape} . {w.shape} with {dimension_numbers}: needs a contracting dimension "
+                         "and a free dimension of w")
+    for d0, d1 in zip(cl + bl, cr + br, strict=True):
+        if x.shape[d0] != w.shape[d1]:
+            raise ValueError(f"dot_general: x dimension {d0} ({x.shape[d0]}) != w dimension {d1} ({w.shape[d1]}) in "
+                             f"{x.shape} . {w.shape} with {dimension_numbers}")
+    lf = [d for d in range(x.ndim) if d not in cl and d not in bl]
+    rf = [d for d in range(w.ndim) if d not in cr and d not in br]
+    if [*bl, *lf, *cl] != list(range(x.ndim)):
+        x = jnp.transpose(x, (*bl, *lf, *cl))
+    if [*br, *cr, *rf] != list(range(w.ndim)):
+        w = jnp.transpose(w, (*br, *cr, *rf))
+    bshape = x.shape[:len(bl)]
+    mshape = x.shape[len(bl):x.ndim - len(cl)]
+    nshape = w.shape[len(br) + len(cr):]
+    K, N, B = math.prod(x.shape[x.ndim - len(cl):]), math.prod(nshape), math.prod(bshape)
+    if not bl:
+        y = dense(x.reshape(*mshape, K), w.reshape(K, N), recipe=recipe, key=key)
+        return y.reshape(*mshape, *nshape)
+    x3, w3 = x.reshape(B, *mshape, K), w.reshape(B, K, N)
+    if key is None:
+        y = jax.vmap(lambda a, b: dense(a, b, recipe=recipe))(x3, w3)
+    else:
+        y = jax.vmap(lambda a, b, k: dense(a, b, recipe=recipe, key=k))(x3, w3, jax.random.split(key, B))
+    return y.reshape(*bshape, *mshape, *nshape)

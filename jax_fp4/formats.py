@@ -22,11 +22,16 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["NVFP4", "MXFP8", "Format", "SCALE_TILE_ROWS", "SCALE_TILE_COLS", "round_up"]
+__all__ = ["NVFP4", "MXFP8", "Format", "SCALE_TILE_ROWS", "SCALE_TILE_COLS", "round_up", "ArgumentTypeError"]
 
 SCALE_TILE_ROWS = 128  # cuBLAS block-scale layout: 128x4 tiles of scales, 512 bytes each
 SCALE_TILE_COLS = 4
 _FLOAT_INPUTS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type (e.g. axis=None): a TypeError that is also a ValueError, since jax_fp4 reports
+    bad input as ValueError everywhere else and callers catch that."""
 
 
 def round_up(n: int, m: int) -> int:
@@ -89,6 +94,10 @@ class Format:
     def normalize_axis(self, shape, axis: int) -> int:
         """The block axis as a negative index (robust to leading batch dims); raises on a bad axis."""
         nd = len(shape)
+        if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+            raise ArgumentTypeError(f"{self!r}: the block axis must be an int (e.g. -1 rowwise, 0 columnwise of a 2-D "
+                                    f"x), got {type(axis).__name__} {axis!r} for shape {tuple(shape)}")
+        axis = int(axis)
         if nd == 0:
             raise ValueError(f"{self!r}: cannot quantize a rank-0 array (shape {tuple(shape)}); it needs a block axis")
         if not -nd <= axis < nd:

@@ -32,7 +32,7 @@ from jax_fp4.quantized_array import ExactOperand, QuantizedArray
 from jax_fp4.reference.nvfp4 import INV_ENC_NUMERATOR
 
 __all__ = ["scaled_dot_general", "exact_dot_general", "ExactOperand", "native_gemm_available", "scaled_matmul_lowers",
-           "gemm_route", "IMPLEMENTATIONS"]
+           "gemm_route", "IMPLEMENTATIONS", "canonical_dimension_numbers"]
 
 IMPLEMENTATIONS = ("auto", "emulated", "native")
 
@@ -108,12 +108,41 @@ def exact_operand(q: QuantizedArray):
     return dequantize_array(q, jnp.bfloat16), None
 
 
+def canonical_dimension_numbers(dimension_numbers, lhs_ndim: int, rhs_ndim: int):
+    """((cl, cr), (bl, br)) as tuples of non-negative ints.
+
+    Raises:
+      ValueError: a dimension outside its operand's rank (no modulo wrapping), a repeated dimension, or contracting
+      / batch lists of different lengths.
+    """
+    try:
+        (cl, cr), (bl, br) = dimension_numbers
+    except (TypeError, ValueError):
+        raise ValueError(f"dot_general: dimension_numbers must be ((lhs_contracting, rhs_contracting), (lhs_batch, "
+                         f"rhs_batch)), got {dimension_numbers!r}") from None
+    out = []
+    for dims, nd, side in ((cl, lhs_ndim, "lhs contracting"), (cr, rhs_ndim, "rhs contracting"),
+                           (bl, lhs_ndim, "lhs batch"), (br, rhs_ndim, "rhs batch")):
+        dims = tuple(int(d) for d in dims)
+        for d in dims:
+            if not -nd <= d < nd:
+                raise ValueError(f"dot_general: {side} dimension {d} is out of range for an operand of rank {nd} "
+                                 f"(dimension numbers {dimension_numbers})")
+        out.append(tuple(d % nd for d in dims))
+    cl, cr, bl, br = out
+    if len(cl) != len(cr) or len(bl) != len(br):
+        raise ValueError(f"dot_general: contracting / batch dimensions do not pair up: {dimension_numbers}")
+    if len(set(cl + bl)) != len(cl + bl) or len(set(cr + br)) != len(cr + br):
+        raise ValueError(f"dot_general: a dimension is listed twice in {dimension_numbers}")
+    return (cl, cr), (bl, br)
+
+
 def _check(a, b, dimension_numbers):
     for name, q in (("lhs", a), ("rhs", b)):
         if not isinstance(q, QuantizedArray):
             raise ValueError(f"scaled_dot_general: {name} must be a jax_fp4.QuantizedArray, got {type(q).__name__}")
-    (ca, cb), (ba, bb) = dimension_numbers
-    ca, cb = tuple(d % len(a.shape) for d in ca), tuple(d % len(b.shape) for d in cb)
+        q.validate()
+    (ca, cb), (ba, bb) = canonical_dimension_numbers(dimension_numbers, len(a.shape), len(b.shape))
     for name, q, c in (("lhs", a, ca), ("rhs", b, cb)):
         if q.axis % len(q.shape) not in c:
             raise ValueError(

@@ -27,9 +27,11 @@ Randomness: key -> (kx, kw, kdy) = jax.random.split(key, 3); x and dy as `groupe
 
 Alignment: wgrad blocks run along each group's tokens, so with a quantized wgrad every group size must be a multiple
 of the wgrad formats' block size (16 NVFP4, 32 MXFP8): pad the groups (`jax_fp4.flax.moe` does) with zero rows.
-The sizes are checked on the device, traced or not (no host sync): a misaligned group's dw is NaN (its quantized
-wgrad operands are poisoned, see `jax_fp4.reference.grouped`), never silently wrong. fprop and dgrad have no
-constraint on the group sizes, so inference needs no padding.
+Concrete group sizes (numpy / Python values, known at trace time) are checked at trace time: a differentiated call
+with a misaligned group raises ValueError naming the group. Traced sizes (a router's counts under jit) are checked on
+the device (no host sync): a misaligned group's dw is NaN (its quantized wgrad operands are poisoned, see
+`jax_fp4.reference.grouped`), never silently wrong. fprop and dgrad have no constraint on the group sizes, and a
+forward-only call quantizes no wgrad operand, so inference needs no padding.
 """
 
 from __future__ import annotations
@@ -41,14 +43,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_fp4._src.vjp_util import dtype_tag, operand_keys
+from jax_fp4._src.vjp_util import dtype_tag, operand_keys, reverse_mode_only
 from jax_fp4.dense import RESIDUAL_NAMES
 from jax_fp4.gemm import exact_operand
 from jax_fp4.grouped import grouped_dequantize, grouped_quantize_rowwise_columnwise
 from jax_fp4.grouped_array import GroupedQuantizedArray
 from jax_fp4.quantize import quantize_rowwise_columnwise
 from jax_fp4.quantized_array import QuantizedArray
-from jax_fp4.recipes import Recipe
+from jax_fp4.recipes import Recipe, resolve
 from jax_fp4.reference import grouped as ref
 from jax_fp4.reference.nvfp4 import INV_ENC_NUMERATOR
 
@@ -123,10 +125,15 @@ def _weight_pair(w, row_fmt, col_fmt, key):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ragged(recipe, x, w, group_sizes, key):
-    return _ragged_fwd(recipe, x, w, group_sizes, key)[0]
+    """Forward only (no VJP taken): only the fprop operands are quantized, no residuals."""
+    kx, kw, _ = operand_keys(key)
+    x_fprop, _ = _grouped_pair(x, group_sizes, recipe.fprop_x, None, kx)
+    _, w_fprop = _weight_pair(w, None, recipe.fprop_w, kw)
+    return _product(x_fprop, w_fprop, group_sizes, FPROP_DIMS).astype(jnp.result_type(x, w))
 
 
 def _ragged_fwd(recipe, x, w, group_sizes, key):
+    recipe.check_key(key, "ragged_dot", backward=True)
     kx, kw, kdy = operand_keys(key)
     x_fprop, x_wgrad = _grouped_pair(x, group_sizes, recipe.fprop_x, recipe.wgrad_x, kx)
     w_dgrad, w_fprop = _weight_pair(w, recipe.dgrad_w, recipe.fprop_w, kw)
@@ -151,8 +158,6 @@ _ragged.defvjp(_ragged_fwd, _ragged_bwd)
 def _check(lhs, rhs, group_sizes, recipe):
     where = (f"ragged_dot: lhs {lhs.dtype}{list(lhs.shape)}, rhs {rhs.dtype}{list(rhs.shape)}, group_sizes "
              f"{group_sizes.dtype}{list(group_sizes.shape)}")
-    if not isinstance(recipe, Recipe):
-        raise ValueError(f"{where}: recipe must be a jax_fp4.recipes.Recipe, got {type(recipe).__name__}")
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(f"{where}: expected lhs [T, K] and rhs [G, K, N]")
     if group_sizes.shape != (rhs.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
@@ -175,22 +180,27 @@ def ragged_dot(lhs, rhs, group_sizes, *, recipe: Recipe, key=None):
       lhs: bfloat16 / float16 / float32 [T, K], the rows of group g contiguous (tokens sorted by expert).
       rhs: [G, K, N] (same float dtypes), one weight per group.
       group_sizes: int[G] rows per group (traced: a router's counts; sum <= T, rows past the sum give 0).
-      recipe: a `jax_fp4.recipes.Recipe`; `recipes.BF16()` calls `jax.lax.ragged_dot` unchanged (same bits, same
-        gradients). Its x / dy formats must be grouped formats (NVFP4 1D, RHT, SR; MXFP8): NVFP4_1x64 raises.
-      key: PRNG key, required when the recipe uses stochastic rounding.
+      recipe: a `jax_fp4.recipes.Recipe` or its name (`recipes.by_name`); `recipes.BF16()` calls
+        `jax.lax.ragged_dot` unchanged (same bits, same gradients). Its x / dy formats must be grouped formats
+        (NVFP4 1D, RHT, SR; MXFP8): NVFP4_1x64 raises.
+      key: PRNG key for stochastic rounding: required when an fprop operand rounds stochastically, or when the call
+        is differentiated with a recipe that rounds a gradient operand stochastically. Forward-only calls quantize
+        only the fprop operands (x rowwise, w along K) and need no key otherwise. Reverse mode only (jax.jvp /
+        jacfwd / hessian raise TypeError).
 
     Returns:
       [T, N] in the promoted dtype of lhs and rhs (float32 accumulation and tensor scales, then one cast).
 
     Raises:
       ValueError: shapes that do not line up; group_sizes not int[G]; a missing key; formats that cannot block the
-      shapes (K and N multiples of the formats' blocks, 16 for NVFP4 2D weights). Group sizes that are not
-      multiples of the wgrad formats' block size do not raise: that group's dw is NaN (module docstring).
+      shapes (K and N multiples of the formats' blocks, 16 for NVFP4 2D weights); when differentiated with a
+      quantized wgrad, concrete group sizes that are not multiples of the wgrad formats' block size. Traced
+      misaligned group sizes do not raise: that group's dw is NaN (module docstring).
     """
+    recipe = resolve(recipe, "ragged_dot")
     lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
     _check(lhs, rhs, group_sizes, recipe)
     if not recipe.quantized:
         return lax.ragged_dot(lhs, rhs, group_sizes)
-    if recipe.needs_key and key is None:
-        raise ValueError(f"ragged_dot: recipe {recipe.name} uses stochastic rounding and needs key=...")
-    return _ragged(recipe, lhs, rhs, group_sizes, key)
+    recipe.check_key(key, "ragged_dot", backward=False)
+    return reverse_mode_only(_ragged, "jax_fp4.ragged_dot")(recipe, lhs, rhs, group_sizes, key)

@@ -220,11 +220,12 @@ def dequantize(q: QuantizedArray, dtype=jnp.float32):
     sharded inputs (see jax_fp4/_src/primitives/partitioning.py) are supported.
 
     Raises:
-      ValueError: `q` is not a QuantizedArray, or `dtype` is not float32/bfloat16/float16.
+      ValueError: `q` is not a QuantizedArray, a field inconsistent with its format (`QuantizedArray.validate`), or
+      `dtype` is not float32/bfloat16/float16.
     """
     if not isinstance(q, QuantizedArray):
         raise ValueError(f"dequantize expects a jax_fp4.QuantizedArray, got {type(q).__name__}")
-    return dequantize_array(q, dtype)
+    return dequantize_array(q.validate(), dtype)
 
 
 def swizzle_scales(q: QuantizedArray) -> QuantizedArray:

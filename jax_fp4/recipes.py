@@ -16,7 +16,13 @@ from jax_fp4.formats import MXFP8 as _MXFP8
 from jax_fp4.formats import NVFP4 as _NVFP4
 from jax_fp4.formats import Format
 
-__all__ = ["Recipe", "BF16", "MXFP8", "NVFP4", "NVFP4Fwd_MXFP8Bwd", "NVFP4_1x64", "RECIPES", "by_name"]
+__all__ = ["Recipe", "BF16", "MXFP8", "NVFP4", "NVFP4Fwd_MXFP8Bwd", "NVFP4_1x64", "RECIPES", "by_name", "resolve"]
+
+_OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")
+
+
+def _stochastic(f) -> bool:
+    return isinstance(f, _NVFP4) and f.stochastic_rounding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,10 +46,33 @@ class Recipe:
 
     @property
     def needs_key(self) -> bool:
-        """Whether some operand uses stochastic rounding (then dense/dot_general need a PRNG key)."""
-        return any(isinstance(f, _NVFP4) and f.stochastic_rounding for f in self.formats())
+        """Whether some operand uses stochastic rounding (then a differentiated dense/dot_general needs a key)."""
+        return any(_stochastic(f) for f in self.formats())
+
+    @property
+    def fprop_needs_key(self) -> bool:
+        """Whether an fprop operand uses stochastic rounding (then even a forward-only call needs a PRNG key)."""
+        return any(_stochastic(f) for f in (self.fprop_x, self.fprop_w))
+
+    def check_key(self, key, where: str, *, backward: bool) -> None:
+        """ValueError naming `where` when `key` is None but the forward (backward=False) or the forward and backward
+        (backward=True, a differentiated call) round stochastically."""
+        if key is not None:
+            return
+        if self.fprop_needs_key:
+            raise ValueError(f"{where}: recipe {self.name} rounds an fprop operand stochastically and needs key=...")
+        if backward and self.needs_key:
+            raise ValueError(f"{where}: recipe {self.name} rounds a gradient operand stochastically: differentiating "
+                             "it needs key=... (forward-only calls need none)")
 
     def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise TypeError(f"Recipe: name must be a str, got {type(self.name).__name__} {self.name!r}")
+        for field in _OPERANDS:
+            f = getattr(self, field)
+            if f is not None and not isinstance(f, Format):
+                raise TypeError(f"Recipe {self.name}: {field} must be a jax_fp4 Format (e.g. jax_fp4.NVFP4()) or None, "
+                                f"got {type(f).__name__} {f!r}")
         for pair, (a, b) in {"fprop": (self.fprop_x, self.fprop_w), "dgrad": (self.dgrad_dy, self.dgrad_w),
                              "wgrad": (self.wgrad_x, self.wgrad_dy)}.items():
             if (a is None) != (b is None):
@@ -63,7 +92,12 @@ def MXFP8(gradients: str = "e4m3") -> Recipe:
     if gradients not in ("e4m3", "e5m2"):
         raise ValueError(f"MXFP8 recipe: gradients must be 'e4m3' or 'e5m2', got {gradients!r}")
     f, g = _MXFP8(), _MXFP8(element=gradients)
-    return Recipe("mxfp8" if gradients == "e4m3" else "mxfp8-hybrid", f, f, g, f, f, g)
+    return Recipe("mxfp8" + _hybrid(gradients), f, f, g, f, f, g)
+
+
+def _hybrid(gradients: str) -> str:
+    """The name suffix of E5M2 gradients ("hybrid", TE's term for E4M3 forward / E5M2 backward)."""
+    return "-hybrid" if gradients == "e5m2" else ""
 
 
 def NVFP4(rht: bool = True, weight_2d: bool = True, stochastic_rounding: bool = True) -> Recipe:
@@ -74,28 +108,60 @@ def NVFP4(rht: bool = True, weight_2d: bool = True, stochastic_rounding: bool = 
     dy = _NVFP4(stochastic_rounding=stochastic_rounding)
     wgrad_x = _NVFP4(rht=rht)
     wgrad_dy = _NVFP4(rht=rht, stochastic_rounding=stochastic_rounding)
-    return Recipe("nvfp4", x, w, dy, w, wgrad_x, wgrad_dy)
+    name = "nvfp4" + "".join(s for s, on in (("-no-rht", rht), ("-no-2d", weight_2d), ("-no-sr", stochastic_rounding))
+                             if not on)
+    return Recipe(name, x, w, dy, w, wgrad_x, wgrad_dy)
 
 
 def NVFP4Fwd_MXFP8Bwd(gradients: str = "e4m3") -> Recipe:
     """NVFP4 (rowwise 1D) for x and w in fprop; MXFP8 for every dgrad and wgrad operand."""
     m = MXFP8(gradients)
-    return Recipe("nvfp4-fwd-mxfp8-bwd", _NVFP4(), _NVFP4(), m.dgrad_dy, m.dgrad_w, m.wgrad_x, m.wgrad_dy)
+    name = "nvfp4-fwd-mxfp8-bwd" + _hybrid(gradients)
+    return Recipe(name, _NVFP4(), _NVFP4(), m.dgrad_dy, m.dgrad_w, m.wgrad_x, m.wgrad_dy)
 
 
 def NVFP4_1x64(gradients: str = "e4m3") -> Recipe:
     """NVFP4 1x64 local encode for x and w in fprop (TE PR #2941); MXFP8 backward."""
     m = MXFP8(gradients)
     f = _NVFP4(local_1x64=True)
-    return Recipe("nvfp4-1x64", f, f, m.dgrad_dy, m.dgrad_w, m.wgrad_x, m.wgrad_dy)
+    return Recipe("nvfp4-1x64" + _hybrid(gradients), f, f, m.dgrad_dy, m.dgrad_w, m.wgrad_x, m.wgrad_dy)
 
 
 RECIPES = {"bf16": BF16, "mxfp8": MXFP8, "nvfp4": NVFP4, "nvfp4-fwd-mxfp8-bwd": NVFP4Fwd_MXFP8Bwd,
            "nvfp4-1x64": NVFP4_1x64}
 
 
+def _all_variants() -> dict[str, Recipe]:
+    """Every recipe the factories above make, by name (names encode the options: "-hybrid" for E5M2 gradients;
+    "-no-rht", "-no-2d", "-no-sr" for NVFP4's switches turned off)."""
+    out = [BF16()]
+    for g in ("e4m3", "e5m2"):
+        out += [MXFP8(g), NVFP4Fwd_MXFP8Bwd(g), NVFP4_1x64(g)]
+    out += [NVFP4(a, b, c) for a in (True, False) for b in (True, False) for c in (True, False)]
+    return {r.name: r for r in out}
+
+
 def by_name(name: str) -> Recipe:
-    """The default recipe of a name in RECIPES (the CLI names of examples/train_lm.py)."""
-    if name not in RECIPES:
-        raise ValueError(f"unknown recipe {name!r}; choose one of {sorted(RECIPES)}")
-    return RECIPES[name]()
+    """The recipe of a name: the defaults of RECIPES (the CLI names of examples/train_lm.py) or any option variant
+    the factories make, so ``by_name(r.name) == r`` for every recipe of this module (e.g. "mxfp8-hybrid",
+    "nvfp4-no-rht-no-sr"; the suffixes "-no-rht", "-no-2d", "-no-sr" come in that order).
+
+    Raises:
+      TypeError: `name` is not a str. ValueError: an unknown name (the message lists the known ones).
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"recipes.by_name: name must be a str, got {type(name).__name__} {name!r}")
+    variants = _all_variants()
+    if name not in variants:
+        raise ValueError(f"unknown recipe {name!r}; choose one of {sorted(variants)}")
+    return variants[name]
+
+
+def resolve(recipe, where: str = "jax_fp4") -> Recipe:
+    """`recipe` itself when it is a Recipe, `by_name(recipe)` when it is a str; else TypeError naming `where`."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, str):
+        return by_name(recipe)
+    raise TypeError(f"{where}: recipe must be a jax_fp4.recipes.Recipe or a recipe name (recipes.by_name), got "
+                    f"{type(recipe).__name__} {recipe!r}")

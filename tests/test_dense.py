@@ -385,14 +385,16 @@ def test_errors():
         dense(x, jnp.ones((128,), jnp.bfloat16), recipe=MX)
     with pytest.raises(ValueError, match=r"bias shape \(63,\)"):
         dense(x, w, jnp.ones((63,), jnp.bfloat16), recipe=MX)
-    with pytest.raises(ValueError, match="nvfp4 uses stochastic rounding and needs key"):
-        dense(x, w, recipe=recipes.NVFP4())
-    with pytest.raises(ValueError, match="only x"):
-        dot_general(x, w, (((1,), (0,)), ((0,), (1,))), recipe=MX)
-    with pytest.raises(ValueError, match="only x"):
-        dot_general(x, w.T, (((1,), (1,)), ((), ())), recipe=MX)
-    with pytest.raises(ValueError, match=r"MXFP8\(\).*\(48, 128\).*48.*32"):
-        dense(jnp.ones((48, 128), jnp.bfloat16), w, recipe=MX)  # wgrad blocks run along M
+    with pytest.raises(ValueError, match="nvfp4 rounds a gradient operand stochastically.*needs key"):
+        jax.grad(lambda x: dense(x, w, recipe=recipes.NVFP4()).astype(jnp.float32).sum())(x)
+    with pytest.raises(ValueError, match="listed twice"):
+        dot_general(x, w, (((1,), (0,)), ((1,), (0,))), recipe=MX)
+    with pytest.raises(ValueError, match="out of range"):  # no modulo wrapping
+        dot_general(x, w, (((2,), (0,)), ((), ())), recipe=MX)
+    with pytest.raises(ValueError, match=r"x dimension 1 \(128\) != w dimension 1 \(64\)"):
+        dot_general(x, w, (((1,), (1,)), ((), ())), recipe=MX)
+    with pytest.raises(ValueError, match=r"MXFP8\(\).*\(48, 128\).*48.*32"):  # wgrad blocks run along M
+        jax.grad(lambda x: dense(x, w, recipe=MX).astype(jnp.float32).sum())(jnp.ones((48, 128), jnp.bfloat16))
     with pytest.raises(ValueError, match=r"NVFP4.*\(64, 120\)"):
         dense(jnp.ones((64, 120), jnp.bfloat16), jnp.ones((120, 64), jnp.bfloat16), recipe=FWD_MX)
 

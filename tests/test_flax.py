@@ -38,8 +38,8 @@ from flax import nnx  # noqa: E402
 from jax_fp4 import MXFP8 as MXFP8Format  # noqa: E402
 from jax_fp4 import NVFP4 as NVFP4Format  # noqa: E402
 from jax_fp4 import dense, recipes  # noqa: E402
+from jax_fp4.flax import UnquantizedDotGeneralWarning, make_dot_general  # noqa: E402
 from jax_fp4.flax import linen as flinen  # noqa: E402
-from jax_fp4.flax import make_dot_general  # noqa: E402
 from jax_fp4.flax import nnx as fnnx  # noqa: E402
 
 B, T, IN, OUT, HID = 2, 32, 128, 64, 128  # M = 64 tokens: blocks of 32 (MXFP8 wgrad) and 16 (NVFP4, RHT) fit
@@ -169,20 +169,26 @@ def test_param_names_and_shapes():
 
 def test_bad_arguments():
     with pytest.raises(TypeError, match="Recipe"):
-        fnnx.Dense(IN, OUT, recipe="nvfp4", rngs=nnx.Rngs(0))
+        fnnx.Dense(IN, OUT, recipe=4, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="activation"):
         fnnx.LayerNormMLP(IN, HID, recipe=recipes.BF16(), activation="relu6", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="norm"):
         fnnx.LayerNormDense(IN, OUT, recipe=recipes.BF16(), norm="batchnorm", rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="stochastic rounding.*quantize"):
-        fnnx.Dense(IN, OUT, recipe=recipes.NVFP4(), rngs=nnx.Rngs(params=0))
+    # no "quantize" stream: derived from the params stream without drawing from it
+    fnnx.Dense(IN, OUT, recipe=recipes.NVFP4(), rngs=nnx.Rngs(params=0))
     fnnx.Dense(IN, OUT, recipe=recipes.MXFP8(), rngs=nnx.Rngs(params=0))  # deterministic: no stream needed
-    # Linen: a missing "quantize" rng at apply time (init falls back to "params")
+    # Linen: a missing "quantize" rng at apply time (init falls back to "params"): forward-only calls need none,
+    # differentiated ones name the key
     layer = flinen.Dense(OUT, recipes.NVFP4())
     x = jnp.zeros((B, T, IN))
     params = jax.eval_shape(layer.init, jax.random.key(0), x)
+    assert jax.eval_shape(layer.apply, params, x).shape == (B, T, OUT)
+    with pytest.raises(ValueError, match="needs key"):
+        jax.eval_shape(jax.grad(lambda x, p: layer.apply(p, x).sum()), x, params)
+    sr_fprop = recipes.Recipe("sr-fprop", NVFP4Format(stochastic_rounding=True), NVFP4Format())
+    params = jax.eval_shape(flinen.Dense(OUT, sr_fprop).init, jax.random.key(0), x)
     with pytest.raises(ValueError, match=r"rngs=\{'quantize': key\}"):
-        jax.eval_shape(layer.apply, params, x)
+        jax.eval_shape(flinen.Dense(OUT, sr_fprop).apply, params, x)
     # shapes the formats cannot block fail at trace time with the shape in the message
     with pytest.raises(ValueError, match="120"):
         jax.eval_shape(fnnx.Dense(120, OUT, recipe=recipes.MXFP8(), rngs=nnx.Rngs(0)), jnp.zeros((T, 120)))
@@ -339,26 +345,27 @@ def test_make_dot_general_in_flax_modules(rng):
 
 def test_make_dot_general_fallbacks(rng):
     dg = make_dot_general(recipes.NVFP4Fwd_MXFP8Bwd())
-    a, b = _x(rng, (4, 32, 16)), _x(rng, (4, 16, 32))
-    batched = (((2,), (1,)), ((0,), (0,)))  # attention-style batched matmul
-    assert _bits_equal(dg(a, b, batched), jax.lax.dot_general(a, b, batched))
-    lhs_first = (((0,), (0,)), ((), ()))  # contracting lhs's first axis
-    c, d = _x(rng, (32, 16)), _x(rng, (32, 8))
-    assert _bits_equal(dg(c, d, lhs_first), jax.lax.dot_general(c, d, lhs_first))
     ints = jnp.arange(32 * 16, dtype=jnp.int32).reshape(32, 16)
-    assert _bits_equal(dg(ints, ints.T, (((1,), (0,)), ((), ()))), ints @ ints.T)
-    with pytest.raises(ValueError, match="unsupported"):
-        make_dot_general(recipes.MXFP8(), strict=True)(a, b, batched)
+    with pytest.warns(UnquantizedDotGeneralWarning, match="non-floating"):
+        assert _bits_equal(dg(ints, ints.T, (((1,), (0,)), ((), ()))), ints @ ints.T)
+    a, v = _x(rng, (32, 16)), _x(rng, (16,))
+    matvec = (((1,), (0,)), ((), ()))
+    with pytest.warns(UnquantizedDotGeneralWarning, match="no free dimension"):
+        assert _bits_equal(dg(a, v, matvec), jax.lax.dot_general(a, v, matvec))
+    with pytest.raises(ValueError, match="no free dimension"):
+        make_dot_general(recipes.MXFP8(), strict=True)(a, v, matvec)
     # BF16 is lax.dot_general, precision and preferred_element_type passed through
     e, f = _x(rng, (8, 16), jnp.bfloat16), _x(rng, (16, 8), jnp.bfloat16)
     kw = dict(precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     dn = (((1,), (0,)), ((), ()))
     assert _bits_equal(make_dot_general(recipes.BF16())(e, f, dn, **kw), jax.lax.dot_general(e, f, dn, **kw))
-    # stochastic rounding without a key: the error says so
+    # stochastic rounding without a key: forward-only calls need none, differentiated ones say so
+    x, w = _x(rng, (T, IN)), _x(rng, (IN, OUT))
+    assert jax.eval_shape(lambda a, b: make_dot_general(recipes.NVFP4())(a, b, dn), x, w).shape == (T, OUT)
     with pytest.raises(ValueError, match="needs key"):
-        jax.eval_shape(lambda a, b: make_dot_general(recipes.NVFP4())(a, b, dn), _x(rng, (T, IN)), _x(rng, (IN, OUT)))
+        jax.eval_shape(jax.grad(lambda a, b: make_dot_general(recipes.NVFP4())(a, b, dn).sum()), x, w)
     with pytest.raises(TypeError, match="Recipe"):
-        make_dot_general("mxfp8")
+        make_dot_general(3)
 
 
 # ---- imports ---------------------------------------------------------------------------------------------------------

@@ -120,7 +120,8 @@ def test_training_loss_falls(recipe, activation):
         (dict(top_k=5), "top_k"),
         (dict(activation="relu"), "activation"),
         (dict(recipe=recipes.MXFP8(), alignment=16), "multiple of 32"),
-        (dict(recipe="mxfp8"), "Recipe"),
+        (dict(recipe=5), "Recipe"),
+        (dict(recipe="fp4"), "unknown recipe"),
     ],
 )
 def test_construction_errors(kwargs, match):

@@ -130,6 +130,9 @@ def test_residuals_are_quantized():
         assert big and all(jnp.dtype(a.dtype).itemsize == 1 for a in big), [(a.shape, a.dtype) for a in big]
 
 
+SR_FPROP = recipes.Recipe("sr-fprop", jax_fp4.NVFP4(stochastic_rounding=True), jax_fp4.NVFP4())
+
+
 @pytest.mark.parametrize(
     "args, kw, match",
     [
@@ -137,9 +140,9 @@ def test_residuals_are_quantized():
         ((jnp.ones((T, K)), jnp.ones((G, K, N)), SIZES[:3]), {}, "group_sizes must be int"),
         ((jnp.ones((T, K)), jnp.ones((G, K, N)), SIZES.astype(np.float32)), {}, "group_sizes must be int"),
         ((jnp.ones((T, K)), jnp.ones((G, K, N)), SIZES), {"recipe": recipes.NVFP4_1x64()}, "fprop_x .* cannot"),
-        ((jnp.ones((T, K)), jnp.ones((G, K, N)), SIZES), {"recipe": recipes.NVFP4()}, "needs key"),
+        ((jnp.ones((T, K)), jnp.ones((G, K, N)), SIZES), {"recipe": SR_FPROP}, "needs key"),
         ((jnp.ones((T, 48)), jnp.ones((G, 48, N)), SIZES), {"recipe": recipes.MXFP8()}, "not a multiple"),
-        ((jnp.ones((T, K)), jnp.ones((G, K, N)), SIZES), {"recipe": "mxfp8"}, "must be a jax_fp4.recipes.Recipe"),
+        ((jnp.ones((T, K)), jnp.ones((G, K, N)), SIZES), {"recipe": "fp4"}, "unknown recipe 'fp4'"),
     ],
 )
 def test_errors(args, kw, match):

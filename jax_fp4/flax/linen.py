@@ -7,7 +7,9 @@ The Linen counterparts of `jax_fp4.flax.nnx`, with the same numerics and paramet
   LayerNormMLP     {norm: {scale, bias}, up: {kernel [in, hidden | 2 * hidden], bias}, down: {kernel, bias}}
 
 Stochastic rounding: when ``recipe.needs_key`` each `Dense` call draws ``self.make_rng("quantize")`` (Linen falls back
-to the "params" stream during ``init``); pass ``rngs={"quantize": key}`` to ``apply``, a new key per step.
+to the "params" stream during ``init``); pass ``rngs={"quantize": key}`` to ``apply``, a new key per step. Linen
+derives every stream from its name and the module path, so this stream leaves "dropout" and "params" untouched.
+Forward-only calls (inference) need no "quantize" rng unless an fprop operand rounds stochastically.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from flax.linen.dtypes import promote_dtype
 
 from jax_fp4.dense import dense
 from jax_fp4.policy import Policy
-from jax_fp4.recipes import Recipe
+from jax_fp4.recipes import Recipe, resolve
 
 __all__ = ["Dense", "LayerNormDense", "LayerNormMLP"]
 
@@ -47,8 +49,9 @@ class Dense(nn.Module):
 
     Attributes:
       features: N, the number of output features.
-      recipe: a `jax_fp4.recipes.Recipe` (frozen and hashable), or a `jax_fp4.policy.Policy`: the layer's recipe is
-        then ``policy.resolve(self.path)`` (resolved when traced; the composite layers pass it to their sublayers).
+      recipe: a `jax_fp4.recipes.Recipe` (frozen and hashable) or its name (`recipes.by_name`), or a
+        `jax_fp4.policy.Policy`: the layer's recipe is then ``policy.resolve(self.path)`` (resolved when traced;
+        the composite layers pass it to their sublayers).
       use_bias: add a bias (default True).
       dtype: compute dtype (None: promoted from x and the params, as nn.Dense).
       param_dtype: dtype of the params (default float32).
@@ -71,10 +74,10 @@ class Dense(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
-        if not isinstance(self.recipe, (Recipe, Policy)):
-            raise TypeError(f"jax_fp4.flax.linen.Dense: recipe must be a jax_fp4.recipes.Recipe or a "
-                            f"jax_fp4.policy.Policy, got {type(self.recipe).__name__}")
-        recipe = self.recipe.resolve(self.path) if isinstance(self.recipe, Policy) else self.recipe
+        if isinstance(self.recipe, Policy):
+            recipe = self.recipe.resolve(self.path)
+        else:
+            recipe = resolve(self.recipe, "jax_fp4.flax.linen.Dense (or a jax_fp4.policy.Policy)")
         kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
@@ -83,8 +86,10 @@ class Dense(nn.Module):
             try:
                 key = self.make_rng(self.rng_collection)
             except InvalidRngError as e:
-                raise ValueError(f"jax_fp4.flax.linen.Dense: recipe {recipe.name!r} uses stochastic rounding; "
-                                 f"pass rngs={{{self.rng_collection!r}: key}} to apply") from e
+                if recipe.fprop_needs_key:
+                    raise ValueError(f"jax_fp4.flax.linen.Dense: recipe {recipe.name!r} rounds an fprop operand "
+                                     f"stochastically; pass rngs={{{self.rng_collection!r}: key}} to apply") from e
+                # forward-only calls need no key; a differentiated call raises in jax_fp4.dense, naming the key
         return dense(inputs, kernel, bias, recipe=recipe, key=key)
 
 

@@ -115,7 +115,7 @@ class MoEMLP(nnx.Module):
                  epsilon: float = 1e-6, alignment: int | None = None, router_dtype: tp.Any = jnp.bfloat16,
                  dtype: tp.Any = None, param_dtype: tp.Any = jnp.float32,
                  kernel_init: tp.Callable = default_expert_init, rng_collection: str = "quantize", rngs: nnx.Rngs):
-        check_recipe(recipe, "jax_fp4.flax.moe.MoEMLP")
+        recipe = check_recipe(recipe, "jax_fp4.flax.moe.MoEMLP")
         if activation not in ACTIVATIONS:
             raise ValueError(f"MoEMLP: activation must be one of {ACTIVATIONS}, got {activation!r}")
         if not 1 <= top_k <= num_experts:

@@ -12,10 +12,12 @@ wgrad dkernel = x.T @ dy. `recipes.BF16()` quantizes nothing (`Dense` is then `n
 activations and bias additions always run unquantized in the compute dtype.
 
 Stochastic rounding: when ``recipe.needs_key`` (e.g. `recipes.NVFP4()` rounds dy stochastically), each `Dense` keeps an
-``nnx.RngStream`` tagged ``"quantize"`` (seeded at construction from ``rngs["quantize"]``, i.e. ``rngs.default`` when
-the `Rngs` has no ``quantize`` stream) and draws a fresh key on every call, inside `nnx.jit` / `nnx.grad` too. Reseed
-with ``nnx.reseed(model, quantize=seed)``; a ``rngs=`` call argument (Rngs, RngStream or key) takes precedence, as in
-`nnx.Dropout`. Deterministic recipes keep no stream (``self.rngs`` is None).
+``nnx.RngStream`` tagged ``"quantize"`` and draws a fresh key on every call, inside `nnx.jit` / `nnx.grad` too. It is
+seeded at construction by one draw from ``rngs.quantize`` when the `Rngs` has a ``quantize`` stream; otherwise it is
+derived from the params stream's current key and count without drawing from it (`quantize_stream`), so no stream of
+the model advances and a model's weights and dropout masks are the same with a stochastic-rounding recipe as with
+BF16. Reseed with ``nnx.reseed(model, quantize=seed)``; a ``rngs=`` call argument (Rngs, RngStream or key) takes
+precedence, as in `nnx.Dropout`. Deterministic recipes keep no stream (``self.rngs`` is None).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class Dense(nnx.Module):
     Args:
       in_features: K, the size of x's last axis.
       out_features: N.
-      recipe: a `jax_fp4.recipes.Recipe` (static: part of the module's graph definition, not of its state).
+      recipe: a `jax_fp4.recipes.Recipe` or its name (`recipes.by_name`); static: part of the module's graph
+        definition, not of its state.
       use_bias: add a bias [N] (default True).
       dtype: the compute dtype (x, kernel and bias are cast to it before the GEMM); None infers it from x and the
         params with `promote_dtype`, as nnx.Linear does (bfloat16 x with float32 params computes in float32).
@@ -56,8 +59,8 @@ class Dense(nnx.Module):
       kernel_init, bias_init: initializers (default lecun_normal, zeros, as nnx.Linear).
       promote_dtype: the dtype promotion function, as nnx.Linear's.
       rng_collection: the rng stream the stochastic-rounding keys come from (default "quantize").
-      rngs: `nnx.Rngs`; ``rngs.params`` initializes kernel then bias (the same draws as nnx.Linear), then, only when
-        ``recipe.needs_key``, ``rngs[rng_collection]`` seeds the layer's own stream.
+      rngs: `nnx.Rngs`; ``rngs.params`` initializes kernel then bias (the same draws as nnx.Linear); when
+        ``recipe.needs_key`` the layer's own stream is seeded as the module docstring says (no other draw).
       kernel_metadata, bias_metadata: metadata of the `nnx.Param`s (e.g. sharding), as nnx.Linear's.
 
     Call: ``layer(x, *, rngs=None)`` with x [..., K] -> [..., N] in the compute dtype (float32 accumulation on the
@@ -85,7 +88,7 @@ class Dense(nnx.Module):
         kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
         bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
     ):
-        check_recipe(recipe, "jax_fp4.flax.nnx.Dense")
+        recipe = check_recipe(recipe, "jax_fp4.flax.nnx.Dense")
         self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features), param_dtype), **kernel_metadata)
         self.bias: nnx.Param | None
         if use_bias:
@@ -132,7 +135,7 @@ class LayerNormDense(nnx.Module):
                  epsilon: float = 1e-6, use_bias: bool = True, dtype: tp.Any = None,
                  param_dtype: tp.Any = jnp.float32, kernel_init: tp.Callable = default_kernel_init,
                  bias_init: tp.Callable = default_bias_init, rng_collection: str = "quantize", rngs: nnx.Rngs):
-        check_recipe(recipe, "jax_fp4.flax.nnx.LayerNormDense")
+        recipe = check_recipe(recipe, "jax_fp4.flax.nnx.LayerNormDense")
         self.norm = make_norm(norm, in_features, epsilon, dtype, param_dtype, rngs)
         self.dense = Dense(in_features, out_features, recipe=recipe, use_bias=use_bias, dtype=dtype,
                            param_dtype=param_dtype, kernel_init=kernel_init, bias_init=bias_init,
@@ -178,7 +181,7 @@ class LayerNormMLP(nnx.Module):
                  kernel_init: tp.Callable = default_kernel_init, bias_init: tp.Callable = default_bias_init,
                  rng_collection: str = "quantize", rngs: nnx.Rngs, down_kernel_init: tp.Callable | None = None,
                  down_bias_init: tp.Callable | None = None):
-        check_recipe(recipe, "jax_fp4.flax.nnx.LayerNormMLP")
+        recipe = check_recipe(recipe, "jax_fp4.flax.nnx.LayerNormMLP")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         out_features = in_features if out_features is None else out_features

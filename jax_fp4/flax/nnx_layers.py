@@ -3,10 +3,12 @@ rng stream of a layer and the norm sub-layer."""
 
 from __future__ import annotations
 
+import zlib
+
 import jax
 from flax import nnx
 
-from jax_fp4.recipes import Recipe
+from jax_fp4.recipes import Recipe, resolve
 
 __all__ = ["NORMS", "RngsLike", "check_recipe", "make_norm", "quantize_key", "quantize_stream", "split_rngs"]
 
@@ -16,10 +18,8 @@ RngsLike = nnx.Rngs | nnx.RngStream | jax.Array | None
 
 
 def check_recipe(recipe, where):
-    """TypeError naming `where` unless `recipe` is a jax_fp4.recipes.Recipe."""
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"{where}: recipe must be a jax_fp4.recipes.Recipe (e.g. recipes.NVFP4()), got "
-                        f"{type(recipe).__name__}")
+    """The Recipe of `recipe` (a Recipe or its name, `recipes.by_name`); TypeError naming `where` otherwise."""
+    return resolve(recipe, where)
 
 
 def split_rngs(rngs: RngsLike, n: int) -> list[RngsLike]:
@@ -29,19 +29,33 @@ def split_rngs(rngs: RngsLike, n: int) -> list[RngsLike]:
     return [rngs] * n
 
 
+# Folded into the params stream's current key when a model's Rngs has no stream of the layer's rng_collection.
+_DERIVED_STREAM_TAG = zlib.crc32(b"jax_fp4 stochastic rounding")
+
+
 def quantize_stream(recipe: Recipe, rngs: nnx.Rngs, rng_collection: str, where: str):
     """A layer's own stochastic-rounding stream: when ``recipe.needs_key``, an ``nnx.RngStream`` tagged
-    `rng_collection`, seeded from ``rngs[rng_collection]`` (``rngs.default`` when there is no such stream; ValueError
-    naming `where` when neither exists); else ``nnx.data(None)``."""
+    `rng_collection`, else ``nnx.data(None)``.
+
+    Seed: one draw from ``rngs[rng_collection]`` when the `Rngs` has that stream (a dedicated "quantize" stream);
+    otherwise derived from the params stream's current state *without drawing from it*: fold_in(fold_in(key,
+    count), tag) of ``rngs["params"]`` (``rngs.default`` when there is no params stream). The params stream has
+    just initialized the layer's weights, so every layer gets its own seed, and no stream of the model (default,
+    params, dropout) advances: switching a model between a deterministic recipe and a stochastic-rounding one
+    leaves its initial weights and dropout masks unchanged. ValueError naming `where` when there is neither.
+    """
     if not recipe.needs_key:
         return nnx.data(None)
+    if rng_collection in rngs:
+        return nnx.RngStream(rngs[rng_collection](), tag=rng_collection)
     try:
-        parent = rngs[rng_collection]
+        parent = rngs["params"]
     except KeyError:
         raise ValueError(f"{where}: recipe {recipe.name!r} uses stochastic rounding and needs an rng stream "
-                         f"{rng_collection!r} (or 'default'), e.g. nnx.Rngs(0) or "
+                         f"{rng_collection!r} (or 'params' / 'default'), e.g. nnx.Rngs(0) or "
                          f"nnx.Rngs(params=0, {rng_collection}=1)") from None
-    return nnx.RngStream(parent(), tag=rng_collection)
+    seed = jax.random.fold_in(jax.random.fold_in(parent.key[...], parent.count[...]), _DERIVED_STREAM_TAG)
+    return nnx.RngStream(seed, tag=rng_collection)
 
 
 def quantize_key(layer, rngs: RngsLike):

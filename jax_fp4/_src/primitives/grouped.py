@@ -67,7 +67,7 @@ from jax.interpreters import batching, mlir
 
 from jax_fp4._src import ffi as _ffi
 from jax_fp4._src.primitives import partitioning_grouped
-from jax_fp4._src.primitives._common import def_impl
+from jax_fp4._src.primitives._common import def_impl, def_not_differentiable
 from jax_fp4._src.primitives.quantize import OPT_RHT, OPT_SR, _kind
 from jax_fp4.formats import NVFP4, Format
 from jax_fp4.reference import codes
@@ -85,6 +85,7 @@ _ShapedArray = jax.core.ShapedArray
 grouped_quantize_p = Primitive("jf4_grouped_quantize")
 grouped_quantize_p.multiple_results = True
 def_impl(grouped_quantize_p)
+def_not_differentiable(grouped_quantize_p)
 grouped_dequantize_p = Primitive("jf4_grouped_dequantize")
 def_impl(grouped_dequantize_p)
 

@@ -48,7 +48,7 @@ from jax.interpreters import batching, mlir
 
 from jax_fp4._src import ffi as _ffi
 from jax_fp4._src.primitives import partitioning
-from jax_fp4._src.primitives._common import def_impl
+from jax_fp4._src.primitives._common import def_impl, def_not_differentiable
 from jax_fp4._src.primitives.dequantize import reference_dequantize
 from jax_fp4.formats import MXFP8, NVFP4, Format, round_up
 from jax_fp4.quantized_array import SCALE_LAYOUTS
@@ -69,6 +69,7 @@ FLAG_SWIZZLED, FLAG_DBIAS, FLAG_ROW_EXACT, FLAG_COL_EXACT = 1 << 16, 1 << 17, 1 
 quantize_p = Primitive("jf4_quantize")
 quantize_p.multiple_results = True
 def_impl(quantize_p)
+def_not_differentiable(quantize_p)
 
 
 def _placeholder(dtype):
