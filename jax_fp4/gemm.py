@@ -29,7 +29,7 @@ from jax_fp4._src.primitives.dequantize import dequantize_3d, dequantize_array, 
 from jax_fp4.formats import MXFP8, NVFP4
 from jax_fp4.quantize import unswizzle_scales
 from jax_fp4.quantized_array import ExactOperand, QuantizedArray
-from jax_fp4.reference.nvfp4 import INV_ENC_NUMERATOR
+from jax_fp4.reference.nvfp4 import tensor_decode_scale
 
 __all__ = ["scaled_dot_general", "exact_dot_general", "ExactOperand", "native_gemm_available", "scaled_matmul_lowers",
            "gemm_route", "IMPLEMENTATIONS", "canonical_dimension_numbers"]
@@ -104,7 +104,7 @@ def exact_operand(q: QuantizedArray):
         (data, scale, _, _), params = dequantize_operands(q, jnp.bfloat16)
         params["fmt"] = fmt.replace(rht=False)
         v = dequantize_3d(data, scale, None, None, block_scales_only=True, **params).reshape(q.shape)
-        return v, q.amax.astype(jnp.float32) * INV_ENC_NUMERATOR
+        return v, tensor_decode_scale(q.amax)
     return dequantize_array(q, jnp.bfloat16), None
 
 
@@ -211,8 +211,8 @@ def scaled_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, 
         da, sa = _native_operand(a)
         db, sb = _native_operand(b)
         out = jax.nn.scaled_matmul(da, db, sa, sb, preferred_element_type=jnp.float32)[0]
-        ta = a.amax.astype(jnp.float32) * INV_ENC_NUMERATOR if isinstance(a.fmt, NVFP4) else None
-        tb = b.amax.astype(jnp.float32) * INV_ENC_NUMERATOR if isinstance(b.fmt, NVFP4) else None
+        ta = tensor_decode_scale(a.amax) if isinstance(a.fmt, NVFP4) else None
+        tb = tensor_decode_scale(b.amax) if isinstance(b.fmt, NVFP4) else None
     else:
         return exact_dot_general(a, b, dn, preferred_element_type)
     for t in (ta, tb):

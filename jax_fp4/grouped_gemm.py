@@ -52,7 +52,7 @@ from jax_fp4.quantize import quantize_rowwise_columnwise
 from jax_fp4.quantized_array import QuantizedArray
 from jax_fp4.recipes import Recipe, resolve
 from jax_fp4.reference import grouped as ref
-from jax_fp4.reference.nvfp4 import INV_ENC_NUMERATOR
+from jax_fp4.reference.nvfp4 import tensor_decode_scale
 
 __all__ = ["ragged_dot", "grouped_exact_operand", "FPROP_DIMS", "DGRAD_DIMS", "WGRAD_DIMS"]
 
@@ -68,7 +68,7 @@ def grouped_exact_operand(gq: GroupedQuantizedArray):
     RHT domain for RHT formats), tensor_scale float32[N] = amax * fp32(1/2688) (NVFP4) or None (MXFP8), so that
     group g's dequantize is values * tensor_scale[g] up to the roundings of that product."""
     v = grouped_dequantize(gq, jnp.float32, raw=True).astype(jnp.bfloat16)
-    return v, (gq.amax.astype(jnp.float32) * INV_ENC_NUMERATOR if gq.amax is not None else None)
+    return v, (tensor_decode_scale(gq.amax) if gq.amax is not None else None)
 
 
 def _values(op):

@@ -24,7 +24,7 @@ from jax_fp4._src.primitives.swizzle import unswizzle as _unswizzle
 from jax_fp4.formats import NVFP4, Format
 from jax_fp4.quantized_array import SCALE_LAYOUTS, ExactOperand, QuantizedArray
 from jax_fp4.reference import layout
-from jax_fp4.reference.nvfp4 import INV_ENC_NUMERATOR
+from jax_fp4.reference.nvfp4 import tensor_decode_scale
 from jax_fp4.reference.sr import philox_key
 
 __all__ = ["quantize", "quantize_rowwise_columnwise", "dequantize", "swizzle_scales", "unswizzle_scales"]
@@ -54,11 +54,27 @@ def _key_words(fmt, key):
     return jnp.zeros((2,), jnp.uint32)
 
 
-def _scalar_amax(fmt, amax):
-    """The scalar tensor amax from _amax's float32[P] (all equal; 0, the amax of nothing, when P == 0)."""
+def _scalar_amax(fmt, amax, nan=None):
+    """The scalar tensor amax a QuantizedArray carries, from _amax's float32[P] (all equal; 0, the amax of nothing,
+    when P == 0); NaN where `nan` (x holds a NaN, `_has_nan`): see `_has_nan`."""
     if not isinstance(fmt, NVFP4) or fmt.local_1x64:
         return None
-    return amax[0] if amax.shape[0] else jnp.zeros((), jnp.float32)
+    a = amax[0] if amax.shape[0] else jnp.zeros((), jnp.float32)
+    return a if nan is None else jnp.where(nan, jnp.float32(jnp.nan), a)
+
+
+def _has_nan(x, *fmts):
+    """bool scalar: x holds a NaN, for formats whose decode goes through a tensor amax (NVFP4 1D/2D/RHT), else None.
+
+    The tensor amax ignores NaNs (fmaxf, TE's rule) and E2M1 has no NaN code (NaN encodes as +6), so an NVFP4
+    tensor would lose a NaN of x. The encode keeps the finite amax (the codes and block scales are the kernel's, as
+    TE writes them); the amax the QuantizedArray carries becomes NaN, so its dequantize and every GEMM product are NaN
+    and a diverging run cannot look healthy. Cost: one extra reduction over x (an XLA fusion, not the CUDA kernels).
+    ±inf needs nothing: the amax is inf and the decode scale inf.
+    """
+    if not any(isinstance(f, NVFP4) and not f.local_1x64 for f in fmts) or x.size == 0:
+        return None
+    return jnp.any(jnp.isnan(x))
 
 
 def _wamax(fmt, w, shape):
@@ -106,7 +122,8 @@ def quantize(x, fmt: Format, *, axis: int = -1, key=None, scale_layout: str = "c
     if scale_layout == "compact":
         scale = scale.reshape(fmt.scale_shape(shape, axis))
     w = _wamax(fmt, w, fmt.window_amax_shape(shape, axis)) if isinstance(fmt, NVFP4) else None
-    return QuantizedArray(data, scale, _scalar_amax(fmt, amax), w, fmt=fmt, axis=axis, scale_layout=scale_layout)
+    return QuantizedArray(data, scale, _scalar_amax(fmt, amax, _has_nan(x, fmt)), w, fmt=fmt, axis=axis,
+                          scale_layout=scale_layout)
 
 
 def quantize_rowwise_columnwise(x, row_fmt: Format | None, col_fmt: Format | None, *, key=None,
@@ -161,32 +178,34 @@ def quantize_rowwise_columnwise(x, row_fmt: Format | None, col_fmt: Format | Non
                     row_fmt=row_fmt, col_fmt=col_fmt, scale_layout=scale_layout, dbias=dbias, exact=exact)
     row = col = None
     db = jnp.sum(o["dbias"], axis=(0, 1)) if dbias else None
+    nan = _has_nan(x, row_fmt, col_fmt)
     if exact[0]:
-        row = ExactOperand(o["row_data"].reshape(x.shape), _tensor_scale(row_fmt, amax_r))
+        row = ExactOperand(o["row_data"].reshape(x.shape), _tensor_scale(row_fmt, amax_r, nan))
     elif row_fmt is not None:
         scale = o["row_scale"]
         if scale_layout == "compact":
             scale = scale.reshape(row_fmt.scale_shape(x.shape, -1))
         w = _wamax(row_fmt, o["row_wamax"], _window_shape(row_fmt, x.shape, -1))
         row = QuantizedArray(o["row_data"].reshape(row_fmt.data_shape(x.shape, -1)), scale,
-                             _scalar_amax(row_fmt, amax_r), w, fmt=row_fmt, axis=-1, scale_layout=scale_layout)
+                             _scalar_amax(row_fmt, amax_r, nan), w, fmt=row_fmt, axis=-1, scale_layout=scale_layout)
     if exact[1]:
         v = o["col_data"][0]
-        col = ExactOperand(v.T if isinstance(col_fmt, NVFP4) else v, _tensor_scale(col_fmt, amax_c))
+        col = ExactOperand(v.T if isinstance(col_fmt, NVFP4) else v, _tensor_scale(col_fmt, amax_c, nan))
     elif col_fmt is not None:
         scale = o["col_scale"]
         if scale_layout == "compact":
             scale = scale.reshape(col_fmt.scale_shape((M, K), -2))
         w = _wamax(col_fmt, o["col_wamax"], _window_shape(col_fmt, (M, K), -2))
         col = QuantizedArray(o["col_data"].reshape(col_fmt.data_shape((M, K), -2)), scale,
-                             _scalar_amax(col_fmt, amax_c), w, fmt=col_fmt, axis=-2, scale_layout=scale_layout)
+                             _scalar_amax(col_fmt, amax_c, nan), w, fmt=col_fmt, axis=-2, scale_layout=scale_layout)
     return row, col, db
 
 
-def _tensor_scale(fmt, amax):
-    """float32 amax * fp32(1/2688) of an NVFP4 orientation (scaled_dot_general's tensor scale), None for MXFP8."""
-    a = _scalar_amax(fmt, amax)
-    return None if a is None else a.astype(jnp.float32) * INV_ENC_NUMERATOR
+def _tensor_scale(fmt, amax, nan=None):
+    """float32 amax * fp32(1/2688) of an NVFP4 orientation (scaled_dot_general's tensor scale, `tensor_decode_scale`),
+    None for MXFP8."""
+    a = _scalar_amax(fmt, amax, nan)
+    return None if a is None else tensor_decode_scale(a)
 
 
 def _window_shape(fmt, shape, axis):

@@ -36,6 +36,7 @@ JF4_HD float kInv57344() { return Float(0x37924925u); }     // fp32(1/57344)
 JF4_HD float kInv2688() { return Float(0x39c30c31u); }      // fp32(1/2688)
 JF4_HD float kWindowFloor() { return Float(0x2b8cbcccu); }  // fp32(1e-12)
 constexpr float kEncNumerator = 2688.0f;                     // 6 * 448
+JF4_HD float kDecodeAmaxFloor() { return Float(0x05280001u); }  // fp32(2688 / FLT_MAX)
 
 // IEEE fp32 operations, rounded once to nearest even (the host is built with -ffp-contract=off).
 JF4_HD float Mul(float a, float b) {
@@ -52,6 +53,16 @@ JF4_HD float Div(float a, float b) {
   return a / b;
 #endif
 }
+// NVFP4 1D/2D/RHT decode multiplier (reference nvfp4.decode_scale): f = (s_b * A) * fp32(1/2688) with
+// A = max(amax, fp32(2688 / FLT_MAX)) (below it the encode clamped S_enc at FLT_MAX; NaN stays NaN), and
+// s_b * (A * fp32(1/2688)) where s_b * A overflows (amax > 7.6e35). TE's (s_b * amax) * fp32(1/2688) in between.
+JF4_HD float Nvfp4DecodeScale(float s_b, float amax) {
+  const float a = amax < kDecodeAmaxFloor() ? kDecodeAmaxFloor() : amax;
+  const float p = Mul(s_b, a);
+  const bool overflow = (Bits(p) & 0x7FFFFFFFu) == 0x7F800000u;  // on the bits: the same test on both sides
+  return overflow ? Mul(s_b, Mul(a, kInv2688())) : Mul(p, kInv2688());
+}
+
 JF4_HD float Rcp(float a) {
 #if defined(__CUDA_ARCH__)
   return __frcp_rn(a);

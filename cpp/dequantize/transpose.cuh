@@ -206,7 +206,7 @@ __device__ __forceinline__ SegmentScale ScaleOf(const Args& a, const RawSegments
     s.mult = sb;
     s.enc = cvt::WindowEncodeScale(raw.window[r]);
   } else {
-    s.mult = (a.flags & kBlockOnly) ? sb : __fmul_rn(__fmul_rn(sb, amax), cvt::kInv2688());
+    s.mult = (a.flags & kBlockOnly) ? sb : cvt::Nvfp4DecodeScale(sb, amax);
   }
   return s;
 }

@@ -123,7 +123,7 @@ __device__ __forceinline__ void GenericDequant(const DequantArgs& a, const Table
     if (16 * b >= cnt) return;
     const int64_t si = off / 16 + b;
     const float s_b = cvt::E4M3Value(si < a.size / 16 ? a.scale[si] : 0u);
-    const float f = a.raw ? s_b : __fmul_rn(__fmul_rn(s_b, a.amax[g]), cvt::kInv2688());
+    const float f = a.raw ? s_b : cvt::Nvfp4DecodeScale(s_b, a.amax[g]);
     float v[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) {

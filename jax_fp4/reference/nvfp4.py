@@ -24,6 +24,9 @@ ENC_NUMERATOR = np.float32(FP4_MAX * E4M3_MAX)  # 2688
 INV_FP4_MAX = np.float32(1.0 / FP4_MAX)  # fp32(1/6)
 INV_ENC_NUMERATOR = np.float32(1.0 / (FP4_MAX * E4M3_MAX))  # fp32(1/2688)
 WINDOW_FLOOR = np.float32(1e-12)
+# fp32(2688 / FLT_MAX) = 7.899323e-36 (0x05280001): below it S_enc = min(2688 / amax, FLT_MAX) is clamped, so the
+# decode takes max(amax, DECODE_AMAX_FLOOR), the amax whose 2688 / amax is the clamped S_enc (see decode_scale).
+DECODE_AMAX_FLOOR = np.float32(ENC_NUMERATOR / _f32.FLT_MAX)
 
 
 class NVFP4Parts(NamedTuple):
@@ -140,10 +143,37 @@ def quantize_1x64(y) -> NVFP4Parts:
     return NVFP4Parts(q, sc, None, wamax)
 
 
+def decode_amax(amax):
+    """The tensor amax the decode uses: max(amax, fp32(2688 / FLT_MAX)) (NaN stays NaN).
+
+    Below 7.9e-36 the encode clamps S_enc = 2688 / amax at FLT_MAX; decoding with the clamped S_enc, i.e. with the
+    amax 2688 / FLT_MAX, keeps quantize and dequantize consistent there (TE decodes with amax / 2688 and is off by
+    DECODE_AMAX_FLOOR / amax, e.g. x80 at amax = 1e-37). Unchanged for amax >= 7.9e-36.
+    """
+    amax = jnp.asarray(amax, F32)
+    return jnp.where(amax < DECODE_AMAX_FLOOR, DECODE_AMAX_FLOOR, amax)
+
+
+def tensor_decode_scale(amax):
+    """float32 decode_amax(amax) * fp32(1/2688): the tensor scale of the GEMM emulation (block scales apart)."""
+    return decode_amax(amax) * INV_ENC_NUMERATOR
+
+
+def decode_scale(s_b, amax):
+    """The 1D/2D/RHT decode multiplier of a block: f = (s_b * A) * fp32(1/2688), A = decode_amax(amax) (TE's
+    association), or s_b * (A * fp32(1/2688)) where s_b * A overflows fp32 (amax > FLT_MAX / 448 = 7.6e35; TE's
+    association gives inf there). Exact products (`_f32.mul`), so subnormal factors are kept on every platform."""
+    a = decode_amax(amax)
+    p = _f32.mul(s_b, a)
+    inf = (_f32.bits(p) & jnp.uint32(0x7FFFFFFF)) == jnp.uint32(0x7F800000)
+    return jnp.where(inf, _f32.mul(s_b, _f32.mul(a, INV_ENC_NUMERATOR)), _f32.mul(p, INV_ENC_NUMERATOR))
+
+
 def dequantize(q_codes, scale_codes, amax, window_amax, fmt: NVFP4):
     """NVFP4 codes [..., n] + E4M3 scale codes [..., n/16] -> float32 values [..., n] (block axis last).
 
-    1D/2D: x = value(q) * ((s_b * amax) * fp32(1/2688)); 1x64: x = (value(q) * s_b) / S_enc,w; RHT: then @ H.T.
+    1D/2D: x = value(q) * decode_scale(s_b, amax) (TE's (s_b * amax) * fp32(1/2688) for amax in [7.9e-36, 7.6e35]);
+    1x64: x = (value(q) * s_b) / S_enc,w; RHT: then @ H.T.
     """
     bs = fmt.block_size
     v = codes.e2m1_value(q_codes).reshape(*q_codes.shape[:-1], q_codes.shape[-1] // bs, bs)
@@ -154,7 +184,7 @@ def dequantize(q_codes, scale_codes, amax, window_amax, fmt: NVFP4):
         s_enc_b = lax.optimization_barrier(jnp.repeat(s_enc_w, fmt.window_size // bs, axis=-1))  # see quantize_1x64
         x = _f32.div(_f32.mul(v, s_b[..., None]), s_enc_b[..., None])
     else:
-        f = _f32.mul(_f32.mul(s_b, amax), INV_ENC_NUMERATOR)
+        f = decode_scale(s_b, amax)
         x = _f32.mul(v, f[..., None])
     x = x.reshape(q_codes.shape)
     return rht.inverse(x) if fmt.rht else x

@@ -41,8 +41,11 @@ def quantize(x, fmt: Format, *, axis: int = -1, key=None) -> Quantized:
     y = jnp.moveaxis(x, axis, -1)
     if isinstance(fmt, NVFP4):
         p = nvfp4.quantize(y, fmt, key)
+        amax = p.amax
+        if amax is not None and x.size:  # NaN stays visible (docs/numerics.md s6): the encode above
+            amax = jnp.where(jnp.any(jnp.isnan(x)), jnp.float32(jnp.nan), amax)  # used the finite amax
         return Quantized(
-            codes.to_dtype(p.codes, fmt.data_dtype), codes.to_dtype(p.scale_codes, fmt.scale_dtype), p.amax,
+            codes.to_dtype(p.codes, fmt.data_dtype), codes.to_dtype(p.scale_codes, fmt.scale_dtype), amax,
             p.window_amax,
         )
     q, e = mxfp8.quantize(y, fmt)

@@ -14,6 +14,8 @@ E2M1 codes: index of {0, .5, 1, 1.5, 2, 3, 4, 6}, sign in bit 3. E4M3 code = (bi
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,7 +81,11 @@ def test_face_value_tensor():
     # 2688 * r448 = 6 + 2**-21 -> 6 (code 7); dequantized (448*2688)*c = 448 -> 6 * 448 = 2688 exactly.
     x = _blocks([2688.0], TIES, MIDS, MISC, UNDER)
     q, d, s, xh = _q(x)
-    assert float(q.amax) == 2688.0  # NaNs ignored
+    # MISC holds NaNs: the encode uses the finite amax 2688 (NaNs ignored), the carried amax is NaN so that the NaN
+    # reaches every decode (docs/numerics.md s6); the face values below decode with the finite amax.
+    assert np.isnan(float(q.amax)) and np.isnan(np.asarray(xh)).all()
+    q = dataclasses.replace(q, amax=jnp.float32(2688.0))
+    xh = dequantize(q)
     assert s.tolist() == [[0x7E, 0x38, 0x38, 0x38, 0x00]]
     expect = [7] + [0] * 15 + TIES_CODES + MIDS_CODES + MISC_CODES + UNDER_CODES + [0] * 12
     assert d.tolist() == [expect]
@@ -139,7 +145,9 @@ def test_infinities_and_saturation_at_448_6_sdec():
     """
     x = _blocks([INF, -INF, 3000, -1e30, 1, NAN, 0.25, p2(-140)], [7, 1.5, -4])
     q, d, s, xh = _q(x)
-    assert np.isposinf(float(q.amax))
+    assert np.isnan(float(q.amax)) and np.isnan(np.asarray(xh)).all()  # the NaN wins (carried amax NaN)
+    q = dataclasses.replace(q, amax=jnp.float32(np.inf))  # the encode's amax: inf
+    xh = dequantize(q)
     assert s.tolist() == [[0x7E, 0x39, 0, 0, 0]]
     expect = np.zeros(WIDTH, int)
     expect[[0, 1, 2, 3, 5, 16, 17, 18]] = [7, 0xF, 7, 0xF, 7, 7, 3, 0xE]
@@ -177,17 +185,18 @@ def test_tensor_with_subnormal_amax():
     e_b = 1/(0.34375 * 2**-128) = 2**133/11 overflows -> min(inf, FM) = FM. Values * FM (exact products):
       2**-127 -> 2 - 2**-23 (> 1.75) -> 2 (0x4); 2**-128 -> 1 - 2**-24 (> 0.75) -> 1 (0x2);
       -3*2**-130 -> -(0.75 - 2**-24) (< 0.75) -> -0.5 (0x9); 2**-149 -> 0; 3*2**-129 -> 1.5 - 2**-23 -> 1.5 (0x3).
-    Dequantize uses amax/2688, not S_dec (docs/numerics.md s1): f = fl(fl(0.34375 * 2**-127) * c) = 11*2**-132 * c =
-      536.38 * 2**-149 -> 536 * 2**-149, so x_hat[0] = 2 * 536 * 2**-149 = 2**-138.9, not ~2**-127: once S_enc is
-      clamped to FLT_MAX (amax < 2688/FLT_MAX = 7.9e-36) quantize and dequantize no longer agree (spec-inherent,
-      TE's compute_global_encode_scaling_factor_FP4 + dequantize_nvfp4 behave the same).
+    Dequantize decodes with A = max(amax, fp32(2688/FLT_MAX)) (docs/numerics.md s1): S_enc was clamped to FLT_MAX,
+      so A = 2688/FLT_MAX is the amax the encode used. f = fl(fl(0.34375 * A) * c), x_hat[0] = 2 * f = 2.0e-39,
+      the encode's own value(q) * s_b / S_enc (TE decodes with amax/2688: 1072 * 2**-149 = 1.5e-42). It is not
+      ~2**-127 = 5.9e-39 because e_b = 1/(s_b * S_dec) was clamped to FLT_MAX as well (a spec-inherent limit).
     """
     x = _blocks([p2(-127), p2(-128), -3 * p2(-130), p2(-149), 3 * p2(-129)])
     q, d, s, xh = _q(x)
     assert float(q.amax) == p2(-127)
     assert s.tolist() == [[0x2B, 0, 0, 0, 0]]
     assert d[0, :6].tolist() == [4, 2, 9, 0, 3, 0]
-    assert np.asarray(xh)[0, 0] == np.float32(1072 * 2.0**-149)
+    floor = np.float32(2688) / FLT_MAX
+    assert np.asarray(xh)[0, 0] == np.float32(2) * ((np.float32(0.34375) * floor) * np.float32(1 / 2688))
 
 
 def test_block_scale_product_order():

@@ -1,0 +1,129 @@
+"""NaN / Inf stay visible through quantized operands, and NVFP4 decodes consistently at extreme tensor ranges (CPU).
+
+* a NaN in an NVFP4 operand: the codes and block scales are those of the finite amax (the encode ignores the NaN as
+  TE's does), the carried amax is NaN, so dequantize, scaled_dot_general, dense and fake_quantize give NaN (bf16 and
+  MXFP8 show a NaN too); an Inf gives an inf amax and a non-finite output;
+* tensors with amax below fp32(2688 / FLT_MAX) = 7.9e-36 (the encode scale is clamped at FLT_MAX) and above
+  FLT_MAX / 448 = 7.6e35 (s_b * amax overflows) dequantize within the format's error of x, like any other tensor.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fp4
+from jax_fp4 import MXFP8, NVFP4, recipes
+from jax_fp4.reference import nvfp4 as ref_nvfp4
+
+X = np.asarray(jax.random.normal(jax.random.key(0), (32, 64), jnp.float32))
+W = np.asarray(jax.random.normal(jax.random.key(1), (64, 32), jnp.float32))
+
+
+def _bits(a):
+    return np.asarray(jax_fp4.reference.codes.from_dtype(a)) if jnp.dtype(a.dtype).itemsize == 1 else \
+        np.asarray(a).view(np.uint32)
+
+
+@pytest.mark.parametrize("fmt", [NVFP4(), NVFP4(scaling_2d=True), NVFP4(rht=True)], ids=repr)
+def test_nan_reaches_the_decode_codes_unchanged(fmt):
+    x = X.copy()
+    x[3, 7] = np.nan
+    q = jax_fp4.quantize(jnp.asarray(x), fmt)
+    assert np.isnan(float(q.amax)) and np.isnan(np.asarray(jax_fp4.dequantize(q))).all()
+    # the codes and block scales are the encode of the finite amax (TE's: NaN ignored, NaN -> +6)
+    ref = jax_fp4.reference.quantize(jnp.asarray(x), fmt)
+    np.testing.assert_array_equal(_bits(q.data), _bits(ref.data))
+    np.testing.assert_array_equal(_bits(q.scale), _bits(ref.scale))
+    finite = jax_fp4.reference.amax(jnp.asarray(x))
+    assert not np.isnan(float(finite))
+    if not fmt.rht:
+        want_codes = ref_nvfp4.quantize_with_amax(jnp.asarray(x), fmt, finite).codes
+        np.testing.assert_array_equal(np.asarray(jax_fp4.reference.codes.from_dtype(q.data)), np.asarray(want_codes))
+    assert np.isnan(float(ref.amax))  # the reference carries it too
+
+
+@pytest.mark.parametrize("recipe", [recipes.NVFP4(), recipes.NVFP4Fwd_MXFP8Bwd(), recipes.MXFP8(), recipes.BF16()],
+                         ids=lambda r: r.name)
+@pytest.mark.parametrize("where", ["x", "w"])
+def test_nan_reaches_the_gemm_output(recipe, where):
+    x, w = X.copy(), W.copy()
+    (x if where == "x" else w)[5, 9] = np.nan
+    y = np.asarray(jax.jit(lambda x, w: jax_fp4.dense(x, w, recipe=recipe))(jnp.asarray(x), jnp.asarray(w)))
+    assert np.isnan(y).any()
+    assert np.isnan(y[5]).all() if where == "x" else np.isnan(y[:, 9]).all()  # at least where bf16 has NaN
+    # quantize_rowwise_columnwise's exact operands (the emulated GEMM's) carry it too
+    if isinstance(recipe.fprop_x, NVFP4):
+        row, col, _ = jax_fp4.quantize_rowwise_columnwise(jnp.asarray(x), NVFP4(), NVFP4(), exact=(True, True))
+        if where == "x":
+            assert np.isnan(float(row.tensor_scale)) and np.isnan(float(col.tensor_scale))
+
+
+def test_nan_and_inf_through_scaled_dot_general_and_fake_quantize():
+    x = X.copy()
+    x[0, 0] = np.nan
+    a = jax_fp4.quantize(jnp.asarray(x), NVFP4())
+    b = jax_fp4.quantize(jnp.asarray(W), NVFP4(), axis=0)
+    assert np.isnan(np.asarray(jax_fp4.scaled_dot_general(a, b, (((1,), (0,)), ((), ()))))).any()
+    assert np.isnan(np.asarray(jax_fp4.fake_quantize(jnp.asarray(x), NVFP4()))).any()
+    x[0, 0] = np.inf
+    q = jax_fp4.quantize(jnp.asarray(x), NVFP4())
+    assert np.isposinf(float(q.amax)) and not np.isfinite(np.asarray(jax_fp4.dequantize(q))).all()
+    y = jax_fp4.dense(jnp.asarray(x), jnp.asarray(W), recipe=recipes.NVFP4())
+    assert not np.isfinite(np.asarray(y)).all()
+
+
+def _roundtrip_error(x, fmt):
+    """max |dequantize(quantize(x)) - x| / max|x| per 16-block row (float32 output)."""
+    q = jax_fp4.quantize(jnp.asarray(x), fmt)
+    xh = np.asarray(jax_fp4.dequantize(q, jnp.float32), np.float64)
+    xb = np.asarray(x, np.float64).reshape(x.shape[0], -1, 16)
+    err = np.abs(xh.reshape(xb.shape) - xb).max(-1)
+    return (err / np.abs(xb).max(-1)).max(), q
+
+
+@pytest.mark.parametrize("scale", [1e-37, 3e-36, 1.0, 1e36, 3e38], ids=lambda s: f"{s:g}")
+@pytest.mark.parametrize("fmt", [NVFP4(), NVFP4(scaling_2d=True)], ids=repr)
+def test_extreme_amax_dequantizes_near_x(scale, fmt):
+    """Every 16-block holds a +-amax element, so every block scale is ~448 (below 7.9e-36 S_enc is FLT_MAX and a block
+    scale under 1 would clamp e_b at FLT_MAX as well: a spec-inherent limit not covered here). The E2M1 error with an
+    E4M3 block scale is below 1/6 of the block amax (half the largest E2M1 step, 2 / 2 / 6, times 1 + 2**-3 for the
+    scale's rounding). TE's decode is x80 too small at 1e-37 and inf at 1e36."""
+    u = np.asarray(jax.random.uniform(jax.random.key(2), (32, 64), jnp.float32, -1.0, 1.0))
+    u[:, ::16] = np.where(np.arange(32)[:, None] % 2, 1.0, -1.0)
+    x = (u * np.float32(scale)).astype(np.float32)
+    err, q = _roundtrip_error(x, fmt)
+    assert np.isfinite(err) and err < (1 / 6) * (1 + 2**-3) * (1 + 1e-6), (scale, err, float(q.amax))
+    if scale * 64 < 3e38:  # the GEMM emulation's tensor scale: x (extreme) times u.T (amax 1), |y| <= 64 * scale
+        a = jax_fp4.quantize(jnp.asarray(x), fmt)
+        b = jax_fp4.quantize(jnp.asarray(u.T.copy()), fmt, axis=0)
+        y = np.asarray(jax_fp4.scaled_dot_general(a, b, (((1,), (0,)), ((), ()))), np.float64) / np.float64(scale)
+        want = np.asarray(u, np.float64) @ np.asarray(u, np.float64).T
+        bound = 2 * (1 / 6) * (1 + 2**-3) * 64 * (1 + 1e-3)  # K = 64 products, each with both operands' errors
+        assert np.abs(y - want).max() < bound, np.abs(y - want).max()
+
+
+def test_decode_scale_rules():
+    floor = np.float32(2688) / np.finfo(np.float32).max
+    assert ref_nvfp4.DECODE_AMAX_FLOOR == floor
+    amax = jnp.array([0.0, 1e-37, floor, 1.0, 1e36, np.inf, np.nan], jnp.float32)
+    got = np.asarray(ref_nvfp4.decode_amax(amax))
+    np.testing.assert_array_equal(got[:6], [floor, floor, floor, 1.0, np.float32(1e36), np.inf])
+    assert np.isnan(got[6])
+    # TE's association where nothing overflows, the other one where s_b * amax would
+    s_b = jnp.full((3,), 448.0, jnp.float32)
+    f = np.asarray(ref_nvfp4.decode_scale(s_b, jnp.array([1.0, 1e36, 3e38], jnp.float32)))
+    c = np.float32(1 / 2688)
+    assert f[0] == np.float32(448) * c
+    assert f[1] == np.float32(448) * (np.float32(1e36) * c) and np.isfinite(f[2])
+
+
+def test_mxfp8_unchanged_by_the_nvfp4_rules():
+    x = X.copy()
+    x[1, 2] = np.nan
+    q = jax_fp4.quantize(jnp.asarray(x), MXFP8())
+    assert q.amax is None
+    y = np.asarray(jax_fp4.dequantize(q))
+    assert np.isnan(y[1, :32]).all() and np.isfinite(np.delete(y, 1, axis=0)).all()
