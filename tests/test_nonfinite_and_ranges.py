@@ -18,8 +18,8 @@ import jax_fp4
 from jax_fp4 import MXFP8, NVFP4, recipes
 from jax_fp4.reference import nvfp4 as ref_nvfp4
 
-X = np.asarray(jax.random.normal(jax.random.key(0), (32, 64), jnp.float32))
-W = np.asarray(jax.random.normal(jax.random.key(1), (64, 32), jnp.float32))
+X = np.array(jax.random.normal(jax.random.key(0), (32, 64), jnp.float32))
+W = np.array(jax.random.normal(jax.random.key(1), (64, 32), jnp.float32))
 
 
 def _bits(a):
@@ -91,12 +91,15 @@ def test_extreme_amax_dequantizes_near_x(scale, fmt):
     scale under 1 would clamp e_b at FLT_MAX as well: a spec-inherent limit not covered here). The E2M1 error with an
     E4M3 block scale is below 1/6 of the block amax (half the largest E2M1 step, 2 / 2 / 6, times 1 + 2**-3 for the
     scale's rounding). TE's decode is x80 too small at 1e-37 and inf at 1e36."""
-    u = np.asarray(jax.random.uniform(jax.random.key(2), (32, 64), jnp.float32, -1.0, 1.0))
+    u = np.array(jax.random.uniform(jax.random.key(2), (32, 64), jnp.float32, -1.0, 1.0))
     u[:, ::16] = np.where(np.arange(32)[:, None] % 2, 1.0, -1.0)
     x = (u * np.float32(scale)).astype(np.float32)
     err, q = _roundtrip_error(x, fmt)
     assert np.isfinite(err) and err < (1 / 6) * (1 + 2**-3) * (1 + 1e-6), (scale, err, float(q.amax))
-    if scale * 64 < 3e38:  # the GEMM emulation's tensor scale: x (extreme) times u.T (amax 1), |y| <= 64 * scale
+    # the GEMM emulation's tensor scales: x (extreme) times u.T (amax 1), |y| <= 64 * scale. Below amax 3.2e-35 the
+    # tensor scale amax / 2688 is an fp32 subnormal, which XLA's flush-to-zero multiplies as 0; above ~1e31 the fp32
+    # sum of products of two 2688-scaled operands times the first tensor scale overflows (docs/numerics.md s6).
+    if 3.2e-35 < scale <= 1e30:
         a = jax_fp4.quantize(jnp.asarray(x), fmt)
         b = jax_fp4.quantize(jnp.asarray(u.T.copy()), fmt, axis=0)
         y = np.asarray(jax_fp4.scaled_dot_general(a, b, (((1,), (0,)), ((), ()))), np.float64) / np.float64(scale)
@@ -126,4 +129,4 @@ def test_mxfp8_unchanged_by_the_nvfp4_rules():
     q = jax_fp4.quantize(jnp.asarray(x), MXFP8())
     assert q.amax is None
     y = np.asarray(jax_fp4.dequantize(q))
-    assert np.isnan(y[1, :32]).all() and np.isfinite(np.delete(y, 1, axis=0)).all()
+    assert np.isnan(y[1, 2]) and np.isnan(y).sum() == 1  # the NaN element's E4M3 NaN code, nothing else
