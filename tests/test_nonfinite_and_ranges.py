@@ -111,10 +111,10 @@ def test_extreme_amax_dequantizes_near_x(scale, fmt):
 def test_decode_scale_rules():
     floor = np.float32(2688) / np.finfo(np.float32).max
     assert ref_nvfp4.DECODE_AMAX_FLOOR == floor
-    amax = jnp.array([0.0, 1e-37, floor, 1.0, 1e36, np.inf, np.nan], jnp.float32)
+    amax = jnp.array([0.0, 1e-37, floor, 1.0, 1e36, np.inf, np.nan, 1e-40], jnp.float32)  # 1e-40: fp32 subnormal
     got = np.asarray(ref_nvfp4.decode_amax(amax))
-    np.testing.assert_array_equal(got[:6], [floor, floor, floor, 1.0, np.float32(1e36), np.inf])
-    assert np.isnan(got[6])
+    np.testing.assert_array_equal(got[:6], [0.0, floor, floor, 1.0, np.float32(1e36), np.inf])
+    assert np.isnan(got[6]) and got[7] == floor
     # TE's association where nothing overflows, the other one where s_b * amax would
     s_b = jnp.full((3,), 448.0, jnp.float32)
     f = np.asarray(ref_nvfp4.decode_scale(s_b, jnp.array([1.0, 1e36, 3e38], jnp.float32)))

@@ -54,10 +54,11 @@ JF4_HD float Div(float a, float b) {
 #endif
 }
 // NVFP4 1D/2D/RHT decode multiplier (reference nvfp4.decode_scale): f = (s_b * A) * fp32(1/2688) with
-// A = max(amax, fp32(2688 / FLT_MAX)) (below it the encode clamped S_enc at FLT_MAX; NaN stays NaN), and
+// A = max(amax, fp32(2688 / FLT_MAX)) for amax > 0 (below it the encode clamped S_enc at FLT_MAX; 0 and NaN stay), and
 // s_b * (A * fp32(1/2688)) where s_b * A overflows (amax > 7.6e35). TE's (s_b * amax) * fp32(1/2688) in between.
 JF4_HD float Nvfp4DecodeScale(float s_b, float amax) {
-  const float a = amax < kDecodeAmaxFloor() ? kDecodeAmaxFloor() : amax;
+  const uint32_t b = Bits(amax);  // amax >= 0 or NaN: positive values order like their bits
+  const float a = (b != 0u && b < Bits(kDecodeAmaxFloor())) ? kDecodeAmaxFloor() : amax;
   const float p = Mul(s_b, a);
   const bool overflow = (Bits(p) & 0x7FFFFFFFu) == 0x7F800000u;  // on the bits: the same test on both sides
   return overflow ? Mul(s_b, Mul(a, kInv2688())) : Mul(p, kInv2688());

@@ -144,14 +144,17 @@ def quantize_1x64(y) -> NVFP4Parts:
 
 
 def decode_amax(amax):
-    """The tensor amax the decode uses: max(amax, fp32(2688 / FLT_MAX)) (NaN stays NaN).
+    """The tensor amax the decode uses: max(amax, fp32(2688 / FLT_MAX)) for amax > 0 (0 and NaN stay).
 
     Below 7.9e-36 the encode clamps S_enc = 2688 / amax at FLT_MAX; decoding with the clamped S_enc, i.e. with the
     amax 2688 / FLT_MAX, keeps quantize and dequantize consistent there (TE decodes with amax / 2688 and is off by
-    DECODE_AMAX_FLOOR / amax, e.g. x80 at amax = 1e-37). Unchanged for amax >= 7.9e-36.
+    DECODE_AMAX_FLOOR / amax, e.g. x80 at amax = 1e-37). Unchanged for amax >= 7.9e-36 and for amax = 0 (an
+    all-zero tensor: every block scale is 0).
     """
     amax = jnp.asarray(amax, F32)
-    return jnp.where(amax < DECODE_AMAX_FLOOR, DECODE_AMAX_FLOOR, amax)
+    b = _f32.bits(amax)  # on the bits: a subnormal amax is not flushed to 0 by XLA:CPU
+    small = (b != jnp.uint32(0)) & (b < _f32.bits(DECODE_AMAX_FLOOR))
+    return jnp.where(small, DECODE_AMAX_FLOOR, amax)
 
 
 def tensor_decode_scale(amax):
