@@ -1,0 +1,132 @@
+"""Precision-control study: train_lm.py over remedy configurations x seeds, spread over the local GPUs, with each
+configuration's validation-loss gap to bf16 reported as the mean over seeds with its spread.
+
+Every (configuration, seed) run is one `train_lm.py` process with its own output directory; `--per-gpu` runs share
+a GPU at a time (small models do not fill an H100, so two or three share one well; their tokens/s are then not
+comparable, only the losses are). bf16 runs once per seed and is the reference of every gap of that seed. At the
+end the runs' summaries are merged, the gaps computed (`lm_precision.seed_gaps`: each seed against bf16 of the same
+seed) and written to OUT/gaps.csv, OUT/gaps.json and OUT/summary.json, with a table on stdout.
+
+    python examples/precision_study.py --preset small --seeds 0 1 2 --per-gpu 3 --out runs/study
+    python examples/precision_study.py --preset tiny --steps 20 --seeds 0 1 2 --configs nvfp4-fwd-mxfp8-bwd \
+        --out runs/study-cpu            # on the CPU: one run at a time
+
+Configurations are named in CONFIGS (recipe plus train_lm precision flags); `--configs a,b` picks some. Extra
+arguments after `--` go to every train_lm.py run (e.g. `-- --eval-batches 8`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lm_precision  # noqa: E402
+
+# name -> (recipe, train_lm flags). The remedies are those of arXiv 2509.25149: high-precision last blocks, and a
+# switch of the forward GEMMs to bf16 for the last 10 % of training.
+CONFIGS = {
+    "nvfp4-fwd-mxfp8-bwd": ("nvfp4-fwd-mxfp8-bwd", []),
+    "nvfp4-fwd-mxfp8-bwd+last1": ("nvfp4-fwd-mxfp8-bwd", ["--bf16-last", "1"]),
+    "nvfp4-fwd-mxfp8-bwd+switch0.9": ("nvfp4-fwd-mxfp8-bwd", ["--switch-at", "0.9", "--switch-to", "bf16",
+                                                              "--switch-scope", "fwd"]),
+    "nvfp4-fwd-mxfp8-bwd+last1+switch0.9": ("nvfp4-fwd-mxfp8-bwd", ["--bf16-last", "1", "--switch-at", "0.9",
+                                                                    "--switch-to", "bf16", "--switch-scope", "fwd"]),
+    "nvfp4": ("nvfp4", []),
+    "nvfp4+last1": ("nvfp4", ["--bf16-last", "1"]),
+    "nvfp4+last1+switch0.9": ("nvfp4", ["--bf16-last", "1", "--switch-at", "0.9", "--switch-to", "bf16",
+                                        "--switch-scope", "fwd"]),
+    "mxfp8": ("mxfp8", []),
+}
+
+
+def _gpu_count() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
+def _jobs(configs: list[str], seeds: list[int]) -> list[tuple[str, str, list[str], int]]:
+    """(tag, recipe, flags, seed) per run; bf16 first for every seed, then the configurations."""
+    jobs = [("bf16", "bf16", [], s) for s in seeds]
+    jobs += [(c, *CONFIGS[c], s) for s in seeds for c in configs]
+    return jobs
+
+
+def _worker(q: queue.Queue, gpu: int | None, mem_fraction: float, args, extra: list[str], done: list):
+    script = Path(__file__).resolve().parent / "train_lm.py"
+    while True:
+        try:
+            tag, recipe, flags, seed = q.get_nowait()
+        except queue.Empty:
+            return
+        out = args.out / "runs" / f"{tag}@s{seed}"
+        cmd = [sys.executable, str(script), "--recipe", recipe, "--preset", args.preset, "--seeds", str(seed),
+               "--out", str(out), "--no-progress", *flags, *extra]
+        if args.steps:
+            cmd += ["--steps", str(args.steps)]
+        env = dict(os.environ)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{mem_fraction:.2f}"
+        out.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        with (out / "train.log").open("w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+        done.append((tag, seed, rc, time.time() - t0))
+        print(f"{tag}@s{seed}: rc {rc}, {time.time() - t0:.0f} s" + (f" (GPU {gpu})" if gpu is not None else ""),
+              flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from: {', '.join(CONFIGS)}")
+    p.add_argument("--per-gpu", type=int, default=1, help="concurrent runs per GPU")
+    p.add_argument("--out", type=Path, default=Path("runs/study"))
+    args, extra = p.parse_known_args(argv)
+    extra = [a for a in extra if a != "--"]
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        p.error(f"unknown configuration(s) {unknown}; known: {list(CONFIGS)}")
+    q: queue.Queue = queue.Queue()
+    for job in _jobs(configs, args.seeds):
+        q.put(job)
+    n_gpu = _gpu_count()
+    slots = [(g, 0.9 / args.per_gpu) for g in range(n_gpu) for _ in range(args.per_gpu)] or [(None, 0.0)]
+    done: list = []
+    t0 = time.time()
+    threads = [threading.Thread(target=_worker, args=(q, g, f, args, extra, done)) for g, f in slots]
+    for t in threads:
+        t.start()
+        time.sleep(2)  # stagger the start-ups (corpus loading, compiles)
+    for t in threads:
+        t.join()
+    merged = {}
+    for summary in sorted((args.out / "runs").glob("*/summary.json")):
+        merged.update(json.loads(summary.read_text()))
+    (args.out / "summary.json").write_text(json.dumps(merged, indent=1))
+    gaps = lm_precision.seed_gaps(merged)
+    lm_precision.write_gaps(args.out, gaps)
+    failed = [(t, s, rc) for t, s, rc, _ in done if rc != 0]
+    print(f"\n{len(done)} runs in {time.time() - t0:.0f} s over {len(slots)} slot(s)"
+          + (f"; FAILED: {failed} (see {args.out}/runs/<run>/train.log)" if failed else ""))
+    print(f"gap to bf16 over seeds ({args.out / 'gaps.csv'}):")
+    print(lm_precision.format_gaps(gaps))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
