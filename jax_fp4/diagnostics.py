@@ -256,8 +256,8 @@ def write_csv(path, rows_: list[dict], append: bool = False):
 
 
 def plot_heatmap(path, rows_: list[dict], stat: str = "snr_db", title: str = ""):
-    """A layer x operand heatmap PNG of one statistic (the last step's rows of each layer; +inf, i.e. unquantized
-    operands, left blank), with the values written in the cells."""
+    """A layer x operand heatmap PNG of one statistic (the last step's rows of each layer; unquantized operands, SNR
+    +inf, left blank and labelled), with the values written in the cells."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -270,6 +270,7 @@ def plot_heatmap(path, rows_: list[dict], stat: str = "snr_db", title: str = "")
         last[(r["layer"], r["operand"])] = float(r[stat])
     layers = list(dict.fromkeys(k[0] for k in last))
     grid = np.array([[last.get((la, op), np.nan) for op in OPERANDS] for la in layers], np.float64)
+    unquantized = np.isposinf(grid) if stat == "snr_db" else np.zeros(grid.shape, bool)
     grid[~np.isfinite(grid)] = np.nan
     fig, ax = plt.subplots(figsize=(8, 0.35 * len(layers) + 1.8), dpi=110)
     im = ax.imshow(grid, aspect="auto", cmap="viridis")
@@ -279,6 +280,8 @@ def plot_heatmap(path, rows_: list[dict], stat: str = "snr_db", title: str = "")
         if np.isfinite(v):
             ax.text(j, i, f"{v:.1f}" if stat == "snr_db" else f"{v:.2g}", ha="center", va="center", fontsize=6,
                     color="w")
+        elif unquantized[i, j]:
+            ax.text(j, i, "unquantized", ha="center", va="center", fontsize=5, color="0.4")
     fig.colorbar(im, ax=ax, label=stat)
     ax.set_title(title or stat, fontsize=9)
     fig.tight_layout()
