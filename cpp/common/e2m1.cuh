@@ -84,9 +84,12 @@ JF4_HD uint32_t MagnitudeRne(float y) {
   const int r3 = __float_as_int(__fmaf_rn(a, 0.5f, 12582916.0f));   // kMagic + rint(a / 2) + 4
   return uint32_t(min(__vimin3_s32(r1, r2, r3), int(kMagic + 7u)));  // VIMNMX3 (sm_90 DPX) + VIMNMX
 #else
-  const int r1 = int(Bits(std::fmaf(a, 2.0f, 12582912.0f)));
+  // The products are exact (a power-of-two scaling; a subnormal a / 2 that rounds is far below the magic's ulp, and
+  // an a * 2 that overflows gives inf either way), so each sum is the FMA's single rounding without an FMA (the
+  // baseline x86-64 target has none: std::fmaf would be a library call).
+  const int r1 = int(Bits(a * 2.0f + 12582912.0f));
   const int r2 = int(Bits(a + 12582914.0f));
-  const int r3 = int(Bits(std::fmaf(a, 0.5f, 12582916.0f)));
+  const int r3 = int(Bits(a * 0.5f + 12582916.0f));
   const int m = r1 < r2 ? r1 : r2, m3 = m < r3 ? m : r3;
   return uint32_t(m3 < int(kMagic + 7u) ? m3 : int(kMagic + 7u));
 #endif
@@ -104,7 +107,7 @@ JF4_HD uint32_t MagnitudeSr(float c, uint32_t r) {
   const float t = __fmaf_rn(rf, step256, a);                   // a + r * step / 256, one rounding
   return __float_as_uint(__fmaf_rz(t, s, moff));               // moff + floor(t * s)
 #else
-  const float t = std::fmaf(rf, step256, a);
+  const float t = rf * step256 + a;  // rf * step256 is exact (8 bits times a power of two): one rounding, as the FMA
   return Bits(std::floor(t * s) + moff);                       // t * s is exact; the sum is exact
 #endif
 }
@@ -133,6 +136,11 @@ JF4_HD uint32_t Permute(uint32_t a, uint32_t b, uint32_t sel) {
 // elements' signs as whole bytes into one word and the odd elements' into another; a nibble select interleaves them:
 // 8 instructions for 8 values instead of a shift and a mask each.
 JF4_HD uint32_t Signs8(const float (&c)[8]) {
+#if !defined(__CUDA_ARCH__)  // the host has no byte permute: the same bits by shifts
+  uint32_t s = 0;
+  for (int j = 0; j < 8; ++j) s |= (Bits(c[j]) >> 31) << (4 * j + 3);
+  return s;
+#endif
   const uint32_t even = Permute(Permute(Bits(c[0]), Bits(c[2]), 0xFBu), Permute(Bits(c[4]), Bits(c[6]), 0xFBu), 0x5410u);
   const uint32_t odd = Permute(Permute(Bits(c[1]), Bits(c[3]), 0xFBu), Permute(Bits(c[5]), Bits(c[7]), 0xFBu), 0x5410u);
   return ((even & 0x0F0F0F0Fu) | (odd & 0xF0F0F0F0u)) & 0x88888888u;
