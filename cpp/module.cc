@@ -1,12 +1,21 @@
 // The one Python extension: `registrations()` maps each FFI target name to a capsule holding its handler.
 #include <nanobind/nanobind.h>
 
+#include <string>
 #include <type_traits>
 
 #include "xla/ffi/api/api.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
+
+// Set by CMakeLists.txt from the --generate-code flags and the CUDA compiler (e.g. "sm_90a,sm_100a,compute_90").
+#ifndef JAX_FP4_CUDA_ARCHS
+#define JAX_FP4_CUDA_ARCHS ""
+#endif
+#ifndef JAX_FP4_CUDA_COMPILER_VERSION
+#define JAX_FP4_CUDA_COMPILER_VERSION ""
+#endif
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_amax);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_quantize);
@@ -30,6 +39,16 @@ nb::capsule EncapsulateFfiHandler(T* fn) {
 
 NB_MODULE(_jax_fp4_cuda, m) {
   m.doc() = "jax_fp4 CUDA kernels as XLA FFI handlers (register with jax.ffi.register_ffi_target, platform='CUDA').";
+  nb::list archs;
+  std::string all = JAX_FP4_CUDA_ARCHS;
+  for (size_t start = 0; start < all.size();) {
+    size_t end = all.find(',', start);
+    if (end == std::string::npos) end = all.size();
+    if (end > start) archs.append(all.substr(start, end - start));
+    start = end + 1;
+  }
+  m.attr("cuda_architectures") = nb::steal(PySequence_Tuple(archs.ptr()));
+  m.attr("cuda_compiler_version") = JAX_FP4_CUDA_COMPILER_VERSION;
   m.def(
       "registrations",
       []() {

@@ -7,13 +7,14 @@ Public surface (the README's "API" section has the signatures; the numeric contr
   fake_quantize                         dequantize(quantize(x)) with a straight-through gradient (QAT)
   swizzle_scales, unswizzle_scales      compact <-> GEMM-swizzled scale layout
   tensor_amax                           fmax-reduction of |x| (CUDA kernel where available)
-  scaled_dot_general                    product of two QuantizedArrays (emulated, or native on sm_100)
+  scaled_dot_general                    product of two QuantizedArrays (emulated, or native on compute capability >= 10)
   grouped_quantize, grouped_quantize_rowwise_columnwise, grouped_dequantize
                                         MoE groups in one call -> / <- GroupedQuantizedArray
   recipes, dense, dot_general           quantized training: custom-VJP GEMMs following a Recipe
   ragged_dot                            quantized jax.lax.ragged_dot (MoE expert GEMMs), custom VJP
   reference                             the pure-jnp bit-exact reference of every op
   HAS_CUDA_KERNELS, ReferenceOnlyWarning  whether the CUDA extension loaded
+  env_report, __version__               the environment report of `python -m jax_fp4`; the package version
 Flax layers: jax_fp4.flax (needs flax).
 """
 
@@ -21,7 +22,9 @@ from jax_fp4 import recipes, reference
 from jax_fp4._src import ffi as _ffi
 from jax_fp4._src.ffi import HAS_CUDA_KERNELS, ReferenceOnlyWarning
 from jax_fp4._src.primitives.amax import tensor_amax
+from jax_fp4._version import __version__ as __version__
 from jax_fp4.dense import dense, dot_general
+from jax_fp4.env import env_report
 from jax_fp4.fake_quantize import fake_quantize
 from jax_fp4.formats import MXFP8, NVFP4, Format
 from jax_fp4.gemm import scaled_dot_general
@@ -31,11 +34,9 @@ from jax_fp4.grouped_gemm import ragged_dot
 from jax_fp4.quantize import dequantize, quantize, quantize_rowwise_columnwise, swizzle_scales, unswizzle_scales
 from jax_fp4.quantized_array import QuantizedArray
 
-__version__ = "0.1.0"
-
 __all__ = [
     "HAS_CUDA_KERNELS", "MXFP8", "NVFP4", "Format", "QuantizedArray", "ReferenceOnlyWarning", "dense", "dequantize",
-    "dot_general", "fake_quantize", "recipes", "scaled_dot_general",
+    "dot_general", "env_report", "fake_quantize", "recipes", "scaled_dot_general",
     "GroupedQuantizedArray", "grouped_dequantize", "grouped_quantize", "grouped_quantize_rowwise_columnwise",
     "ragged_dot",
     "quantize", "quantize_rowwise_columnwise", "reference", "swizzle_scales", "tensor_amax", "unswizzle_scales",

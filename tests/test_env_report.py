@@ -1,0 +1,103 @@
+"""`jax_fp4.__version__` (one source: jax_fp4/_version.py, read by pyproject.toml), CHANGELOG.md, and the environment
+report of `python -m jax_fp4` on the CPU."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import jax
+import pytest
+
+import jax_fp4
+from jax_fp4 import env
+from jax_fp4 import gemm as gemm_module
+from jax_fp4._src import ffi
+from jax_fp4.recipes import RECIPES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_version_single_source():
+    assert re.fullmatch(r"\d+\.\d+\.\d+", jax_fp4.__version__)
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" in pyproject["project"]["dynamic"] and "version" not in pyproject["project"]
+    meta = pyproject["tool"]["scikit-build"]["metadata"]["version"]
+    assert meta["input"] == "jax_fp4/_version.py"
+    assert f'__version__ = "{jax_fp4.__version__}"' in (ROOT / meta["input"]).read_text()
+    if not Path(jax_fp4.__file__).resolve().is_relative_to(ROOT):  # an installed package (README: -P) has metadata
+        assert importlib.metadata.version("jax_fp4") == jax_fp4.__version__
+
+
+def test_changelog_top_entry_is_the_version():
+    heads = re.findall(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), flags=re.M)
+    assert heads[0] == jax_fp4.__version__ and "0.1.0" in heads
+
+
+def test_env_report_on_the_cpu():
+    r = jax_fp4.env_report()
+    json.dumps(r)  # plain data
+    assert r["jax_fp4"] == jax_fp4.__version__
+    assert r["packages"]["jax"] == jax.__version__ and r["packages"]["jaxlib"] == importlib.metadata.version("jaxlib")
+    assert set(env.PLUGIN_PACKAGES) <= set(r["packages"])
+    assert r["cuda_extension"]["built"] == ffi.HAS_CUDA_KERNELS
+    if ffi.HAS_CUDA_KERNELS:  # built with CMakeLists.txt's --generate-code list
+        assert r["cuda_extension"]["architectures"] == ["sm_90a", "sm_100a", "compute_90"]
+    else:
+        assert r["cuda_extension"]["architectures"] == [] and r["cuda_extension"]["error"]
+    assert r["cpu_kernels"]["built"] == bool(getattr(ffi, "HAS_CPU_KERNELS", False))
+    assert r["device"]["platform"] == "cpu" and r["device"]["compute_capability"] is None
+    assert r["kernels"] == ("CPU kernels" if r["cpu_kernels"]["built"] else "reference")
+    assert r["native_gemm"] == {"auto": False, "on_request": gemm_module.scaled_matmul_lowers()}
+    assert set(r["recipes"]) == set(RECIPES)
+    assert r["recipes"]["bf16"] == {"fprop": "bf16", "dgrad": "bf16", "wgrad": "bf16"}
+    for name in set(RECIPES) - {"bf16"}:
+        assert r["recipes"][name] == {"fprop": "emulated", "dgrad": "emulated", "wgrad": "emulated"}, name
+    text = env.format_env_report(r)
+    assert text.splitlines()[0].startswith(f"jax_fp4 {jax_fp4.__version__} ")
+    assert f"jax {jax.__version__}" in text and "device: cpu" in text
+    for name in RECIPES:
+        assert re.search(rf"^  {re.escape(name)} +(bf16|emulated) +(bf16|emulated) +(bf16|emulated)$", text, re.M)
+
+
+def test_env_report_routes_on_compute_capability_10(monkeypatch):
+    """The report reads the routes from gemm.gemm_route: with block-scaled tensor cores, MXFP8 GEMMs and NVFP4 1D x 1D
+    go native; 2D weights, RHT and 1x64 stay emulated."""
+    monkeypatch.setattr(gemm_module, "native_gemm_available", lambda: True)
+    routes = env.env_report()["recipes"]
+    assert routes["mxfp8"] == {"fprop": "native", "dgrad": "native", "wgrad": "native"}
+    assert routes["nvfp4"] == {"fprop": "emulated", "dgrad": "emulated", "wgrad": "emulated"}  # 2D w, RHT wgrad
+    assert routes["nvfp4-fwd-mxfp8-bwd"] == {"fprop": "native", "dgrad": "native", "wgrad": "native"}
+    assert routes["nvfp4-1x64"] == {"fprop": "emulated", "dgrad": "native", "wgrad": "native"}
+    assert env.env_report()["native_gemm"]["auto"]
+
+
+@pytest.mark.parametrize("built", [False, True])
+def test_cuda_extension_entry(monkeypatch, built):
+    class Ext:
+        cuda_architectures = ("sm_90a", "sm_100a", "compute_90")
+        cuda_compiler_version = "13.0.88"
+
+    monkeypatch.setattr(ffi, "extension", lambda: Ext() if built else None)
+    entry = env.env_report()["cuda_extension"]
+    if built:
+        assert entry == {"built": True, "architectures": ["sm_90a", "sm_100a", "compute_90"],
+                         "cuda_compiler": "13.0.88", "error": None}
+        assert "CUDA extension: built for sm_90a, sm_100a, compute_90 (nvcc 13.0.88)" in env.format_env_report()
+    else:
+        assert not entry["built"] and "CUDA extension: not built" in env.format_env_report()
+
+
+def test_python_m_jax_fp4():
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(jax_fp4.__file__).parents[1])] + sys.path))
+    out = subprocess.run([sys.executable, "-m", "jax_fp4"], capture_output=True, text=True, env=environ,
+                         cwd=ROOT / "tests", timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0].startswith(f"jax_fp4 {jax_fp4.__version__} ")
+    assert "GEMM route per recipe" in out.stdout
