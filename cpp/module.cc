@@ -1,6 +1,7 @@
 // The one Python extension: `registrations()` maps each FFI target name to a capsule holding its handler.
 #include <nanobind/nanobind.h>
 
+#include <cstddef>
 #include <string>
 #include <type_traits>
 
@@ -44,11 +45,11 @@ NB_MODULE(_jax_fp4_cuda, m) {
   for (size_t start = 0; start < all.size();) {
     size_t end = all.find(',', start);
     if (end == std::string::npos) end = all.size();
-    if (end > start) archs.append(all.substr(start, end - start));
+    if (end > start) archs.append(nb::str(all.c_str() + start, end - start));
     start = end + 1;
   }
   m.attr("cuda_architectures") = nb::steal(PySequence_Tuple(archs.ptr()));
-  m.attr("cuda_compiler_version") = JAX_FP4_CUDA_COMPILER_VERSION;
+  m.attr("cuda_compiler_version") = nb::str(JAX_FP4_CUDA_COMPILER_VERSION);
   m.def(
       "registrations",
       []() {
