@@ -24,7 +24,7 @@ namespace {
 // dequantize.py flags (cpp/dequantize/args.cuh Option).
 constexpr int kRhtFlag = 2, k1x64Flag = 8, kSwizzledFlag = 1 << 16, kTransposeOut = 1 << 17, kMxColumnwise = 1 << 18,
               kBlockOnlyFlag = 1 << 19;
-constexpr int64_t kMinWork = 1 << 15;
+constexpr int64_t kMinWork = 1 << 18;  // elements per extra thread
 
 int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 

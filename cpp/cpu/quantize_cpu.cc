@@ -21,7 +21,7 @@ namespace cpu {
 namespace {
 
 constexpr size_t kShardKeyWords = 8;  // quantize.py SHARD_KEY_WORDS
-constexpr int64_t kMinWork = 1 << 15;  // elements per thread below which a call stays on fewer threads
+constexpr int64_t kMinWork = 1 << 18;  // elements per extra thread (smaller calls stay on the caller's thread)
 constexpr int kFlagSwizzled = 1 << 16, kFlagDbias = 1 << 17, kFlagRowExact = 1 << 18, kFlagColExact = 1 << 19;
 
 int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
