@@ -22,6 +22,8 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 import numpy as np
 
+from jax_fp4._src.ffi_codes import Kind
+
 __all__ = ["NVFP4", "MXFP8", "Format", "SCALE_TILE_ROWS", "SCALE_TILE_COLS", "round_up", "ArgumentTypeError"]
 
 SCALE_TILE_ROWS = 128  # cuBLAS block-scale layout: 128x4 tiles of scales, 512 bytes each
@@ -152,6 +154,35 @@ class Format:
 
     stores_block_axis_last: ClassVar[bool] = False
 
+    # ---- format questions -----------------------------------------------------------------------------------
+    # The NVFP4 options read False on every other format, so callers ask `fmt.rht` rather than the format's type.
+    scaling_2d: bool = False
+    rht: bool = False
+    stochastic_rounding: bool = False
+    local_1x64: bool = False
+
+    @property
+    def kind_code(self) -> int:
+        """The format's `Kind` code in the kernels' FFI attributes (jax_fp4/_src/ffi_codes.py)."""
+        raise NotImplementedError
+
+    @property
+    def has_tensor_amax(self) -> bool:
+        """Encodes with an fp32 tensor amax (NVFP4 1D/2D/RHT): an amax pass precedes the quantize, the
+        QuantizedArray carries it, and a GEMM multiplies its result by the tensor scale amax * fp32(1/2688)."""
+        return False
+
+    @property
+    def needs_key(self) -> bool:
+        """Quantizing needs a PRNG key (stochastic rounding)."""
+        return self.stochastic_rounding
+
+    @property
+    def exact_operand_ok(self) -> bool:
+        """The block scales factor out of a GEMM's sum, so value(q) * block scale is the exact bfloat16 operand of
+        the emulated GEMM (`jax_fp4.gemm.ExactOperand`); False for NVFP4 1x64, whose window scales do not."""
+        return not self.local_1x64
+
 
 class NVFP4(Format):
     """NVFP4: E2M1 values in 1x16 blocks with E4M3 block scales and an fp32 tensor amax (docs/numerics.md s1).
@@ -192,6 +223,10 @@ class NVFP4(Format):
     @property
     def has_tensor_amax(self) -> bool:
         return not self.local_1x64
+
+    @property
+    def kind_code(self) -> int:
+        return Kind.NVFP4
 
     def _validate_shape(self, shape, axis):
         rows = _prod_except(shape, axis)
@@ -256,6 +291,10 @@ class MXFP8(Format):
     @property
     def data_dtype(self):
         return self._ELEMENTS[self.element]
+
+    @property
+    def kind_code(self) -> int:
+        return Kind.MXFP8_E4M3 if self.element == "e4m3" else Kind.MXFP8_E5M2
 
     def data_shape(self, shape, axis):
         return tuple(shape)

@@ -21,18 +21,7 @@ from _quantize_util import assert_leaf_bits, assert_same_bits, dtype_id, pair_id
 import jax_fp4
 from jax_fp4 import MXFP8, NVFP4, reference
 from jax_fp4._src import ffi
-from jax_fp4._src.primitives.quantize import (
-    COL_SHIFT,
-    FLAG_COL_EXACT,
-    FLAG_DBIAS,
-    FLAG_ROW_EXACT,
-    FLAG_SWIZZLED,
-    OUTPUT_NAMES,
-    _kind,
-    _options,
-    quantize_3d,
-    reference_outputs,
-)
+from jax_fp4._src.primitives.quantize import OUTPUT_NAMES, ffi_attributes, quantize_3d, reference_outputs
 from jax_fp4.gemm import ExactOperand, exact_dot_general, exact_operand, scaled_dot_general
 
 KEY = jax.random.key(77)
@@ -223,14 +212,11 @@ def test_kernel_exact_poisoned_outputs(rng, row_fmt, col_fmt, layout, shape, exa
     params = dict(row_fmt=row_fmt, col_fmt=col_fmt, scale_layout=layout, dbias=col_fmt is not None, exact=exact)
     shapes = jax.eval_shape(functools.partial(quantize_3d, **params), *args)
     results = [jax.ShapeDtypeStruct(shapes[n].shape, shapes[n].dtype) for n in OUTPUT_NAMES]
-    flags = _options(row_fmt) | (_options(col_fmt) << COL_SHIFT) | (FLAG_SWIZZLED if layout == "swizzled" else 0)
-    flags |= (FLAG_DBIAS if params["dbias"] else 0) | (FLAG_ROW_EXACT if exact[0] else 0)
-    flags |= FLAG_COL_EXACT if exact[1] else 0
+    attrs = ffi_attributes(row_fmt, col_fmt, layout, params["dbias"], exact)
     call = jax.ffi.ffi_call("jf4_quantize", results, input_output_aliases={5 + i: i for i in range(7)})
 
     def poisoned(*args):
-        return call(*args, *[_poison(r) for r in results], row_kind=np.int32(_kind(row_fmt)),
-                    col_kind=np.int32(_kind(col_fmt)), flags=np.int32(flags))
+        return call(*args, *[_poison(r) for r in results], **attrs)
 
     assert ffi.HAS_CUDA_KERNELS, f"GPU test without the CUDA extension: {ffi.import_error()}"
     got = run_on(jax.devices("gpu")[0], poisoned, *args)

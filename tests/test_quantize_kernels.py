@@ -43,12 +43,8 @@ import jax_fp4
 from jax_fp4 import MXFP8, NVFP4, reference
 from jax_fp4._src import ffi
 from jax_fp4._src.primitives.quantize import (
-    COL_SHIFT,
-    FLAG_DBIAS,
-    FLAG_SWIZZLED,
     OUTPUT_NAMES,
-    _kind,
-    _options,
+    ffi_attributes,
     kernel_supports,
     quantize_3d,
     reference_outputs,
@@ -267,13 +263,11 @@ def test_poisoned_outputs_fully_written(rng, row_fmt, col_fmt, layout, shape, db
     params = dict(row_fmt=row_fmt, col_fmt=col_fmt, scale_layout=layout, dbias=dbias)
     shapes = jax.eval_shape(functools.partial(quantize_3d, **params), *args)
     results = [jax.ShapeDtypeStruct(shapes[n].shape, shapes[n].dtype) for n in OUTPUT_NAMES]
-    flags = _options(row_fmt) | (_options(col_fmt) << COL_SHIFT)
-    flags |= (FLAG_SWIZZLED if layout == "swizzled" else 0) | (FLAG_DBIAS if dbias else 0)
+    attrs = ffi_attributes(row_fmt, col_fmt, layout, dbias)
     call = jax.ffi.ffi_call("jf4_quantize", results, input_output_aliases={5 + i: i for i in range(7)})
 
     def poisoned(*args):
-        return call(*args, *[_poison(r) for r in results], row_kind=np.int32(_kind(row_fmt)),
-                    col_kind=np.int32(_kind(col_fmt)), flags=np.int32(flags))
+        return call(*args, *[_poison(r) for r in results], **attrs)
 
     assert ffi.HAS_CUDA_KERNELS, f"GPU test without the CUDA extension: {ffi.import_error()}"
     got = run_on(_gpu(), poisoned, *args)

@@ -7,15 +7,19 @@
 #include <cstdint>
 
 #include "common/convert.cuh"
+#include "common/ffi_codes.h"
 #include "common/scale_layout.cuh"
 
 namespace jax_fp4 {
 namespace dequantize {
 
-// kBlockOnly (set by the handler when an NVFP4 1D/2D tensor comes without its amax): values * block scale only,
-// the exact GEMM-emulation operand (the tensor scale is applied after the product).
+// The jf4_dequantize flags (common/ffi_codes.h) under the kernels' short names. kBlockOnly (set by the handler when an
+// NVFP4 1D/2D tensor comes without its amax): values * block scale only, the exact GEMM-emulation operand (the tensor
+// scale is applied after the product).
 enum Option : int {
-  kRht = 2, k1x64 = 8, kSwizzled = 1 << 16, kTransposeOut = 1 << 17, kMxColumnwise = 1 << 18, kBlockOnly = 1 << 19
+  kRht = codes::dequantize::kRht, k1x64 = codes::dequantize::kLocal1x64, kSwizzled = codes::dequantize::kSwizzled,
+  kTransposeOut = codes::dequantize::kTransposeOut, kMxColumnwise = codes::dequantize::kMxColumnwise,
+  kBlockOnly = codes::dequantize::kBlockOnly
 };
 
 constexpr int kSeg = 16;

@@ -14,12 +14,16 @@
 #include <type_traits>
 
 #include "common/convert.cuh"
+#include "common/ffi_codes.h"
 #include "common/hd.h"
 
 namespace jax_fp4 {
 namespace dequantize {
 
-enum Kind : int { kNvfp4 = 1, kMxfp8E4m3 = 2, kMxfp8E5m2 = 3 };
+using codes::Kind;
+using codes::kMxfp8E4m3;
+using codes::kMxfp8E5m2;
+using codes::kNvfp4;
 
 // E2M1 code -> value, built on the fp32 bits (no table: a dynamically indexed array would live in local memory).
 // Exponent field e = code bits 1..2, mantissa m = bit 0: e == 0 gives 0 or 0.5; else (1 + m/2) * 2^(e-1). Code 8 = -0.

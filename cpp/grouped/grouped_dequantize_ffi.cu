@@ -15,6 +15,7 @@
 #include <string>
 
 #include "common/errors.h"
+#include "common/ffi_codes.h"
 #include "common/ffi_utils.h"
 #include "grouped/group_table.cuh"
 #include "grouped/grouped_dequantize.cuh"
@@ -23,7 +24,8 @@
 namespace jax_fp4 {
 namespace {
 
-constexpr int32_t kColumnwise = 1, kRht = 2, kRaw = 4;  // jax_fp4/_src/primitives/grouped.py DQ_*
+constexpr int32_t kColumnwise = codes::grouped_dequantize::kColumnwise, kRht = codes::grouped_dequantize::kRht,
+                  kRaw = codes::grouped_dequantize::kRaw;
 
 template <typename Out, int kKind, int kTiles = grouped::kNoTiles>
 ffi::Error Launch(const grouped::DequantArgs& a, cudaStream_t stream) {

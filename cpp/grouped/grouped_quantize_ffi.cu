@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "common/errors.h"
+#include "common/ffi_codes.h"
 #include "common/ffi_utils.h"
 #include "grouped/group_table.cuh"
 #include "grouped/grouped_amax.cuh"
@@ -156,8 +157,8 @@ ffi::Error GroupedQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffe
   a.last_dims = last_dims.typed_data();
   a.key_row = key_row.typed_data();
   a.key_col = key_col.typed_data();
-  a.row_opts = flags & 0xFF;
-  a.col_opts = (flags >> 8) & 0xFF;
+  a.row_opts = flags & codes::quantize::kOptionMask;
+  a.col_opts = (flags >> codes::quantize::kColShift) & codes::quantize::kOptionMask;
   JF4_RETURN_IF_ERROR(Orientation(row_kind, a.row_opts, where + " rowwise", size, n, *row_data, *row_scale,
                                   *row_amax, &a.row_data, &a.row_scale, &a.row_amax));
   JF4_RETURN_IF_ERROR(Orientation(col_kind, a.col_opts, where + " columnwise", size, n, *col_data, *col_scale,

@@ -6,9 +6,9 @@
 // shard's stream: the key, then the shard's offsets and the global dims of that orientation's stored data
 // (quantize::Args::stream_row; built on the device by the sharding rule, so no host sync and no new attribute).
 // Results (7, placeholders of 0 elements where unused): row_data, row_scale, row_wamax, col_data, col_scale,
-// col_wamax, dbias. Attributes: row_kind, col_kind (quantize::Kind), flags (row options | col options << 8 |
-// swizzled << 16 | dbias << 17 | row exact << 18 | col exact << 19; an exact orientation's data result is bf16, see
-// quantize::Args::row_exact). Shapes are those of jax_fp4/_src/primitives/quantize.py; every one is checked
+// col_wamax, dbias. Attributes (common/ffi_codes.h): row_kind, col_kind (codes::Kind), flags (row options | col
+// options << 8 | swizzled << 16 | dbias << 17 | row exact << 18 | col exact << 19; an exact orientation's data
+// result is bf16, see quantize::Args::row_exact). Shapes are those of jax_fp4/_src/primitives/quantize.py; every one is checked
 // here, so a mismatched call is an InvalidArgument error, never an out-of-bounds write.
 // Command-buffer compatible: one optional cudaMemsetAsync (swizzled padding) and one kernel launch.
 #include <cuda_bf16.h>
@@ -19,6 +19,7 @@
 #include <string>
 
 #include "common/errors.h"
+#include "common/ffi_codes.h"
 #include "common/ffi_utils.h"
 #include "quantize/quantize.cuh"
 #include "xla/ffi/api/ffi.h"
@@ -149,7 +150,7 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
                 std::to_string(ElementCount(key_row)) + " and " + std::to_string(ElementCount(key_col)) + " words");
   JF4_CHECK(P <= 65535 && (M + 63) / 64 <= 65535 && (K + 63) / 64 <= (int64_t(1) << 31) - 1,
             "jf4_quantize: x " + Shape(P, M, K) + " exceeds the kernel's grid (P <= 65535, M <= 4194240)");
-  const bool swizzled = flags & (1 << 16), with_dbias = flags & (1 << 17);
+  const bool swizzled = flags & codes::quantize::kSwizzled, with_dbias = flags & codes::quantize::kDbias;
   JF4_CHECK(!with_dbias || col_kind != quantize::kNone, "jf4_quantize: dbias needs a columnwise output");
 
   Args a{};
@@ -159,9 +160,10 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   a.key_row = key_row.typed_data(), a.key_col = key_col.typed_data();
   a.stream_row = ElementCount(key_row) == kShardKeyWords ? a.key_row + 2 : nullptr;
   a.stream_col = ElementCount(key_col) == kShardKeyWords ? a.key_col + 2 : nullptr;
-  a.row_opts = flags & 0xFF, a.col_opts = (flags >> 8) & 0xFF;
+  a.row_opts = flags & codes::quantize::kOptionMask;
+  a.col_opts = (flags >> codes::quantize::kColShift) & codes::quantize::kOptionMask;
   a.swizzled = swizzled;
-  a.row_exact = flags & (1 << 18), a.col_exact = flags & (1 << 19);
+  a.row_exact = flags & codes::quantize::kRowExact, a.col_exact = flags & codes::quantize::kColExact;
   bool zero_row = false, zero_col = false;
   JF4_RETURN_IF_ERROR(SetupOrientation(row_kind, a.row_opts, false, a.row_exact, swizzled, P, M, K, *row_data,
                                        *row_scale, *row_wamax, &a.row_data, &a.row_scale, &a.row_wamax,

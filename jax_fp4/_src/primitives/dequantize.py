@@ -41,6 +41,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jax_fp4._src import ffi as _ffi
+from jax_fp4._src.ffi_codes import DequantizeFlag
 from jax_fp4._src.primitives import partitioning
 from jax_fp4._src.primitives._common import def_impl
 from jax_fp4._src.primitives.swizzle import padded_shape, unswizzle_p
@@ -49,10 +50,6 @@ from jax_fp4.quantized_array import SCALE_LAYOUTS
 from jax_fp4.reference import codes, layout, mxfp8, nvfp4, rht
 
 __all__ = ["dequantize_p", "dequantize_3d", "dequantize_array", "dequantize_operands", "OUT_DTYPES"]
-
-# FFI attribute encoding (cpp/dequantize/dequantize.cuh).
-KIND_NVFP4, KIND_MXFP8_E4M3, KIND_MXFP8_E5M2 = 1, 2, 3
-OPT_RHT, OPT_1X64, OPT_SWIZZLED, OPT_TRANSPOSE, OPT_MX_COL = 2, 8, 1 << 16, 1 << 17, 1 << 18
 
 #: Output dtypes.
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -174,18 +171,17 @@ mlir.register_lowering(dequantize_p, partitioning.lowering(dequantize_p, _refere
 
 # ---- CUDA lowering ----------------------------------------------------------------------------------------------
 def kind(fmt) -> int:
-    if isinstance(fmt, NVFP4):
-        return KIND_NVFP4
-    return KIND_MXFP8_E4M3 if fmt.element == "e4m3" else KIND_MXFP8_E5M2
+    """The `jf4_dequantize` kind attribute (jax_fp4/_src/ffi_codes.py Kind)."""
+    return fmt.kind_code
 
 
 def flags(fmt, scale_layout, mx_columnwise, transpose_out) -> int:
-    f = OPT_SWIZZLED if scale_layout == "swizzled" else 0
-    f |= OPT_MX_COL if mx_columnwise else 0
-    f |= OPT_TRANSPOSE if transpose_out else 0
-    if isinstance(fmt, NVFP4):
-        f |= (OPT_RHT if fmt.rht else 0) | (OPT_1X64 if fmt.local_1x64 else 0)
-    return f
+    """The `jf4_dequantize` flags attribute (jax_fp4/_src/ffi_codes.py DequantizeFlag)."""
+    f = DequantizeFlag.SWIZZLED if scale_layout == "swizzled" else 0
+    f |= DequantizeFlag.MX_COLUMNWISE if mx_columnwise else 0
+    f |= DequantizeFlag.TRANSPOSE_OUT if transpose_out else 0
+    f |= (DequantizeFlag.RHT if fmt.rht else 0) | (DequantizeFlag.LOCAL_1X64 if fmt.local_1x64 else 0)
+    return int(f)
 
 
 def _cuda_lowering(ctx, data, scale, amax, window_amax, **params):

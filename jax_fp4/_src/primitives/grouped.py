@@ -66,9 +66,10 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from jax_fp4._src import ffi as _ffi
+from jax_fp4._src import ffi_codes
+from jax_fp4._src.ffi_codes import GroupedDequantizeFlag, QuantizeOption
 from jax_fp4._src.primitives import partitioning_grouped
 from jax_fp4._src.primitives._common import def_impl, def_not_differentiable
-from jax_fp4._src.primitives.quantize import OPT_RHT, OPT_SR, _kind
 from jax_fp4.formats import NVFP4, Format
 from jax_fp4.reference import codes
 from jax_fp4.reference import grouped as ref
@@ -244,30 +245,24 @@ mlir.register_lowering(grouped_dequantize_p, partitioning_grouped.lowering(
 CUDA_TARGETS = ("jf4_grouped_quantize", "jf4_grouped_dequantize")
 MAX_KERNEL_GROUPS = 1024  # cpp/grouped/group_table.cuh kMaxGroups (the group table lives in shared memory)
 # jf4_grouped_quantize attributes: row_kind / col_kind and flags = row options | col options << COL_SHIFT, with the
-# kinds and options of jf4_quantize (quantize.py KIND_*, OPT_SR, OPT_RHT).
-COL_SHIFT = 8
-# jf4_grouped_dequantize flags (cpp/grouped/grouped_dequantize_ffi.cu).
-DQ_COLUMNWISE, DQ_RHT, DQ_RAW = 1, 2, 4
-
-
-def _options(fmt) -> int:
-    if not isinstance(fmt, NVFP4):
-        return 0
-    return (OPT_SR if fmt.stochastic_rounding else 0) | (OPT_RHT if fmt.rht else 0)
+# kinds and options of jf4_quantize (NVFP4 SR and RHT only); jf4_grouped_dequantize: kind and GroupedDequantizeFlag
+# (jax_fp4/_src/ffi_codes.py).
+_GROUPED_OPTIONS = QuantizeOption.SR | QuantizeOption.RHT
 
 
 def quantize_flags(row_fmt, col_fmt, amax_given: int = 0) -> dict:
     """The `jf4_grouped_quantize` attributes of a format pairing (np.int32 values)."""
-    return dict(row_kind=np.int32(_kind(row_fmt)), col_kind=np.int32(_kind(col_fmt)),
-                flags=np.int32(_options(row_fmt) | (_options(col_fmt) << COL_SHIFT)),
-                amax_given=np.int32(amax_given))
+    opts = [ffi_codes.quantize_options(f, _GROUPED_OPTIONS) for f in (row_fmt, col_fmt)]
+    return dict(row_kind=np.int32(ffi_codes.kind(row_fmt)), col_kind=np.int32(ffi_codes.kind(col_fmt)),
+                flags=np.int32(opts[0] | (opts[1] << ffi_codes.COL_SHIFT)), amax_given=np.int32(amax_given))
 
 
 def dequantize_flags(fmt, axis, raw) -> dict:
     """The `jf4_grouped_dequantize` attributes (np.int32 values)."""
-    f = (DQ_COLUMNWISE if axis == 0 else 0) | (DQ_RAW if raw and isinstance(fmt, NVFP4) else 0)
-    f |= DQ_RHT if isinstance(fmt, NVFP4) and fmt.rht else 0
-    return dict(kind=np.int32(_kind(fmt)), flags=np.int32(f))
+    f = (GroupedDequantizeFlag.COLUMNWISE if axis == 0 else 0)
+    f |= GroupedDequantizeFlag.RAW if raw and fmt.has_tensor_amax else 0
+    f |= GroupedDequantizeFlag.RHT if fmt.rht else 0
+    return dict(kind=np.int32(ffi_codes.kind(fmt)), flags=np.int32(f))
 
 
 def _one_launch(row_fmt, col_fmt) -> bool:

@@ -47,6 +47,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from jax_fp4._src import ffi as _ffi
+from jax_fp4._src import ffi_codes
+from jax_fp4._src.ffi_codes import QuantizeFlag
 from jax_fp4._src.primitives import partitioning
 from jax_fp4._src.primitives._common import def_impl, def_not_differentiable
 from jax_fp4._src.primitives.dequantize import reference_dequantize
@@ -54,17 +56,11 @@ from jax_fp4.formats import MXFP8, NVFP4, Format, round_up
 from jax_fp4.quantized_array import SCALE_LAYOUTS
 from jax_fp4.reference import codes, layout, mxfp8, nvfp4
 
-__all__ = ["quantize_p", "quantize_3d", "DBIAS_ROWS", "OUTPUT_NAMES", "SHARD_KEY_WORDS"]
+__all__ = ["quantize_p", "quantize_3d", "ffi_attributes", "DBIAS_ROWS", "OUTPUT_NAMES", "SHARD_KEY_WORDS"]
 
 DBIAS_ROWS = 64  # rows per dbias partial sum (the kernel's tile height)
 SHARD_KEY_WORDS = 8  # stream words of a shard: k0, k1, 3 offsets, 3 global dims (cpp/quantize/quantize.cuh Args)
 OUTPUT_NAMES = ("row_data", "row_scale", "row_wamax", "col_data", "col_scale", "col_wamax", "dbias")
-
-# FFI attribute encoding (cpp/quantize/quantize_params.h).
-KIND_NONE, KIND_NVFP4, KIND_MXFP8_E4M3, KIND_MXFP8_E5M2 = 0, 1, 2, 3
-OPT_SR, OPT_RHT, OPT_2D, OPT_1X64 = 1, 2, 4, 8
-COL_SHIFT = 8
-FLAG_SWIZZLED, FLAG_DBIAS, FLAG_ROW_EXACT, FLAG_COL_EXACT = 1 << 16, 1 << 17, 1 << 18, 1 << 19
 
 quantize_p = Primitive("jf4_quantize")
 quantize_p.multiple_results = True
@@ -205,19 +201,13 @@ mlir.register_lowering(quantize_p, partitioning.lowering(quantize_p, _reference_
 
 
 # ---- CUDA lowering ----------------------------------------------------------------------------------------------
-def _kind(fmt) -> int:
-    if fmt is None:
-        return KIND_NONE
-    if isinstance(fmt, NVFP4):
-        return KIND_NVFP4
-    return KIND_MXFP8_E4M3 if fmt.element == "e4m3" else KIND_MXFP8_E5M2
-
-
-def _options(fmt) -> int:
-    if not isinstance(fmt, NVFP4):
-        return 0
-    return ((OPT_SR if fmt.stochastic_rounding else 0) | (OPT_RHT if fmt.rht else 0)
-            | (OPT_2D if fmt.scaling_2d else 0) | (OPT_1X64 if fmt.local_1x64 else 0))
+def ffi_attributes(row_fmt, col_fmt, scale_layout, dbias, exact=(False, False)) -> dict:
+    """The `jf4_quantize` attributes (np.int32 row_kind, col_kind, flags; the codes of jax_fp4/_src/ffi_codes.py)."""
+    flags = ffi_codes.quantize_options(row_fmt) | (ffi_codes.quantize_options(col_fmt) << ffi_codes.COL_SHIFT)
+    flags |= (QuantizeFlag.SWIZZLED if scale_layout == "swizzled" else 0) | (QuantizeFlag.DBIAS if dbias else 0)
+    flags |= (QuantizeFlag.ROW_EXACT if exact[0] else 0) | (QuantizeFlag.COL_EXACT if exact[1] else 0)
+    return dict(row_kind=np.int32(ffi_codes.kind(row_fmt)), col_kind=np.int32(ffi_codes.kind(col_fmt)),
+                flags=np.int32(flags))
 
 
 def kernel_supports(shape, row_fmt, col_fmt) -> bool:
@@ -268,12 +258,9 @@ def _cuda_lowering(ctx, x, amax_row, amax_col, key_row, key_col, *, row_fmt, col
         return _reference_lowering(ctx, x, amax_row, amax_col, key_row, key_col, **params)
     if not _kernel_pairing(row_fmt, col_fmt, dbias):
         return _split_lowering(ctx, x, amax_row, amax_col, key_row, key_col, **params)
-    flags = _options(row_fmt) | (_options(col_fmt) << COL_SHIFT)
-    flags |= (FLAG_SWIZZLED if scale_layout == "swizzled" else 0) | (FLAG_DBIAS if dbias else 0)
-    flags |= (FLAG_ROW_EXACT if exact[0] else 0) | (FLAG_COL_EXACT if exact[1] else 0)
     rule = jax.ffi.ffi_lowering("jf4_quantize")
-    return rule(ctx, x, amax_row, amax_col, key_row, key_col, row_kind=np.int32(_kind(row_fmt)),
-                col_kind=np.int32(_kind(col_fmt)), flags=np.int32(flags))
+    return rule(ctx, x, amax_row, amax_col, key_row, key_col,
+                **ffi_attributes(row_fmt, col_fmt, scale_layout, dbias, exact))
 
 
 if _ffi.ensure_registered():

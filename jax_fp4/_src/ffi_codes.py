@@ -1,0 +1,79 @@
+"""The FFI attribute codes the primitives pass to the kernels: format kinds and flag bits.
+
+Defined once here for Python and once in cpp/common/ffi_codes.h for C++; tests/test_ffi_codes.py parses the header
+and checks that the two agree (same enumerators, same values).
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["COL_SHIFT", "OPTION_MASK", "DequantizeFlag", "GroupedDequantizeFlag", "Kind", "QuantizeFlag",
+           "QuantizeOption", "kind", "quantize_options"]
+
+
+class Kind(enum.IntEnum):
+    """Format of an operand (the row_kind / col_kind / kind attributes); C++ `codes::Kind`."""
+
+    NONE = 0
+    NVFP4 = 1
+    MXFP8_E4M3 = 2
+    MXFP8_E5M2 = 3
+
+
+class QuantizeOption(enum.IntFlag):
+    """NVFP4 options of one jf4_quantize / jf4_grouped_quantize orientation; C++ `codes::quantize::Option`."""
+
+    SR = 1
+    RHT = 2
+    SCALING_2D = 4
+    LOCAL_1X64 = 8
+
+
+COL_SHIFT = 8  # flags = row options | col options << COL_SHIFT | QuantizeFlag bits (C++ codes::quantize::kColShift)
+OPTION_MASK = 0xFF  # one orientation's options (C++ codes::quantize::kOptionMask)
+
+
+class QuantizeFlag(enum.IntFlag):
+    """jf4_quantize flag bits above the two option bytes; C++ `codes::quantize::Flag`."""
+
+    SWIZZLED = 1 << 16
+    DBIAS = 1 << 17
+    ROW_EXACT = 1 << 18
+    COL_EXACT = 1 << 19
+
+
+class DequantizeFlag(enum.IntFlag):
+    """jf4_dequantize flags; C++ `codes::dequantize::Flag`. BLOCK_ONLY is set by the handler from an empty amax
+    operand, never passed."""
+
+    RHT = 2
+    LOCAL_1X64 = 8
+    SWIZZLED = 1 << 16
+    TRANSPOSE_OUT = 1 << 17
+    MX_COLUMNWISE = 1 << 18
+    BLOCK_ONLY = 1 << 19
+
+
+class GroupedDequantizeFlag(enum.IntFlag):
+    """jf4_grouped_dequantize flags; C++ `codes::grouped_dequantize::Flag`."""
+
+    COLUMNWISE = 1
+    RHT = 2
+    RAW = 4
+
+
+def kind(fmt) -> int:
+    """The Kind code of a format spec (None: Kind.NONE, an absent orientation)."""
+    return Kind.NONE if fmt is None else fmt.kind_code
+
+
+def quantize_options(fmt, supported: QuantizeOption | None = None) -> int:
+    """The QuantizeOption bits of one orientation's format (0 for None and MXFP8), restricted to `supported` (None:
+    all of them)."""
+    if fmt is None:
+        return 0
+    opts = ((QuantizeOption.SR if fmt.stochastic_rounding else 0) | (QuantizeOption.RHT if fmt.rht else 0)
+            | (QuantizeOption.SCALING_2D if fmt.scaling_2d else 0)
+            | (QuantizeOption.LOCAL_1X64 if fmt.local_1x64 else 0))
+    return int(opts if supported is None else opts & supported)
