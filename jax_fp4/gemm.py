@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_fp4._src.primitives.dequantize import dequantize_3d, dequantize_array, dequantize_operands
+from jax_fp4._src.primitives.dequantize import block_scaled_values, dequantize_array
 from jax_fp4.formats import MXFP8, NVFP4
 from jax_fp4.quantize import unswizzle_scales
 from jax_fp4.quantized_array import ExactOperand, QuantizedArray
@@ -97,14 +97,10 @@ def exact_operand(q: QuantizedArray):
     float32 scalar amax * fp32(1/2688) (NVFP4 with a tensor amax) or None. Computed by `jf4_dequantize` (the CUDA
     kernel on GPU, the reference elsewhere; NVFP4 through its block-scales-only mode, an empty amax operand).
     """
-    fmt = q.fmt
-    if isinstance(fmt, NVFP4) and fmt.local_1x64:
+    if not q.fmt.exact_operand_ok:  # NVFP4 1x64: the window scales do not factor out of the sum
         return dequantize_array(q, jnp.float32), None
-    if isinstance(fmt, NVFP4):
-        (data, scale, _, _), params = dequantize_operands(q, jnp.bfloat16)
-        params["fmt"] = fmt.replace(rht=False)
-        v = dequantize_3d(data, scale, None, None, block_scales_only=True, **params).reshape(q.shape)
-        return v, tensor_decode_scale(q.amax)
+    if q.fmt.has_tensor_amax:
+        return block_scaled_values(q), tensor_decode_scale(q.amax)
     return dequantize_array(q, jnp.bfloat16), None
 
 

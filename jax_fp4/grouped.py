@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_fp4 import validation
 from jax_fp4._src.primitives.grouped import grouped_dequantize_raw, grouped_quantize_raw
 from jax_fp4.formats import NVFP4, Format
 from jax_fp4.grouped_array import GroupedQuantizedArray
@@ -21,7 +22,7 @@ __all__ = ["grouped_quantize", "grouped_quantize_rowwise_columnwise", "grouped_d
 
 
 def _dims(group_sizes, last_dims, where):
-    """Keyword arguments of `reference.grouped.validate` picking the representation."""
+    """Keyword arguments of `jax_fp4.validation.validate` picking the representation."""
     if isinstance(group_sizes, (int, np.integer)) and not isinstance(group_sizes, (bool, np.bool_)):
         if last_dims is not None:
             raise ValueError(f"{where}: an int group_sizes ({group_sizes}) means SAME_BOTH_DIMS, which takes no "
@@ -95,7 +96,7 @@ def grouped_quantize(x, group_sizes, fmt: Format, *, last_dims=None, axis: int =
     router padding for FP8 does; `jax_fp4.flax.moe` pads to the recipe's block). A misaligned traced group cannot
     raise; it is poisoned on the device (NaN scales, NaN amax / MXFP8 data), so it shows as NaN downstream.
     """
-    x, rep, n, rows, cols, axis = ref.validate(x, fmt, **_dims(group_sizes, last_dims, "grouped_quantize"),
+    x, rep, n, rows, cols, axis = validation.validate(x, fmt, **_dims(group_sizes, last_dims, "grouped_quantize"),
                                                axis=axis, key=key)
     words = ref.group_key_words(key, n) if _needs_key(fmt) else None
     row = axis == -1
@@ -138,7 +139,7 @@ def grouped_quantize_rowwise_columnwise(x, group_sizes, row_fmt: Format | None, 
     checked = None
     for fmt, axis, k in ((row_fmt, -1, keys[0]), (col_fmt, 0, keys[1])):
         if fmt is not None:
-            checked = ref.validate(x, fmt, **dims, axis=axis, key=k)
+            checked = validation.validate(x, fmt, **dims, axis=axis, key=k)
     x, rep, n, rows, cols, _ = checked
     words = [ref.group_key_words(k, n) if _needs_key(f) else None
              for f, k in zip((row_fmt, col_fmt), keys, strict=True)]

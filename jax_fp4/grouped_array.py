@@ -14,7 +14,8 @@ import numpy as np
 
 from jax_fp4.formats import NVFP4, Format
 from jax_fp4.quantized_array import QuantizedArray
-from jax_fp4.reference.grouped import GroupedQuantized, Representation
+from jax_fp4.reference.grouped import GroupedQuantized
+from jax_fp4.validation import Representation
 
 __all__ = ["GroupedQuantizedArray", "Representation"]
 

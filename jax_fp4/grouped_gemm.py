@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_fp4 import validation
 from jax_fp4._src.vjp_util import dtype_tag, operand_keys, reverse_mode_only
 from jax_fp4.dense import RESIDUAL_NAMES
 from jax_fp4.gemm import exact_operand
@@ -51,7 +52,6 @@ from jax_fp4.grouped_array import GroupedQuantizedArray
 from jax_fp4.quantize import quantize_rowwise_columnwise
 from jax_fp4.quantized_array import QuantizedArray
 from jax_fp4.recipes import Recipe, resolve
-from jax_fp4.reference import grouped as ref
 from jax_fp4.reference.nvfp4 import tensor_decode_scale
 
 __all__ = ["ragged_dot", "grouped_exact_operand", "FPROP_DIMS", "DGRAD_DIMS", "WGRAD_DIMS"]
@@ -166,7 +166,7 @@ def _check(lhs, rhs, group_sizes, recipe):
         fmt = getattr(recipe, name)
         if fmt is not None:
             try:
-                ref.check_format(fmt, key=True, what="ragged_dot")
+                validation.check_format(fmt, key=True, what="ragged_dot")
             except ValueError as e:
                 raise ValueError(f"{where}: recipe {recipe.name}'s {name} = {fmt!r} cannot quantize the grouped "
                                  f"tokens ({e})") from None

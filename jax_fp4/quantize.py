@@ -14,7 +14,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_fp4 import reference
 from jax_fp4._src.primitives.amax import tensor_amax
 from jax_fp4._src.primitives.dequantize import dequantize_array
 from jax_fp4._src.primitives.quantize import quantize_3d
@@ -26,6 +25,7 @@ from jax_fp4.quantized_array import SCALE_LAYOUTS, ExactOperand, QuantizedArray
 from jax_fp4.reference import layout
 from jax_fp4.reference.nvfp4 import tensor_decode_scale
 from jax_fp4.reference.sr import philox_key
+from jax_fp4.validation import check_quantize_inputs
 
 __all__ = ["quantize", "quantize_rowwise_columnwise", "dequantize", "swizzle_scales", "unswizzle_scales"]
 
@@ -104,7 +104,7 @@ def quantize(x, fmt: Format, *, axis: int = -1, key=None, scale_layout: str = "c
     Numerics: docs/numerics.md sections 1-3 (TE `core_nvfp4.cuh`, `quantize_mxfp8.cuh`), bit for bit on every platform.
     """
     _check_layout(scale_layout, x, fmt)
-    axis = reference.quantize_module.check_inputs(x, fmt, axis, key)
+    axis = check_quantize_inputs(x, fmt, axis, key)
     x = jnp.asarray(x)
     shape = x.shape
     a = axis % x.ndim
@@ -168,9 +168,9 @@ def quantize_rowwise_columnwise(x, row_fmt: Format | None, col_fmt: Format | Non
     needs_key = any(isinstance(f, NVFP4) and f.stochastic_rounding for f in (row_fmt, col_fmt))
     keys = jax.random.split(key) if (needs_key and key is not None) else (None, None)
     if row_fmt is not None:
-        reference.quantize_module.check_inputs(x, row_fmt, -1, keys[0])
+        check_quantize_inputs(x, row_fmt, -1, keys[0])
     if col_fmt is not None:
-        reference.quantize_module.check_inputs(x2, col_fmt, 0, keys[1])
+        check_quantize_inputs(x2, col_fmt, 0, keys[1])
     x3 = x2.reshape(1, M, K)
     amax_r = _amax(x, x3, row_fmt, "row")
     amax_c = amax_r if (_same_amax(row_fmt, col_fmt)) else _amax(x, x3, col_fmt, "col")

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from jax_fp4.formats import MXFP8, NVFP4, Format
 from jax_fp4.reference import codes, layout, mxfp8, nvfp4
+from jax_fp4.validation import check_quantize_inputs as check_inputs
 
 
 class Quantized(NamedTuple):
@@ -22,16 +23,6 @@ class Quantized(NamedTuple):
     scale: jnp.ndarray
     amax: jnp.ndarray | None
     window_amax: jnp.ndarray | None
-
-
-def check_inputs(x, fmt: Format, axis: int, key) -> int:
-    """Trace-time validation shared by the reference and the primitives; returns the normalized block axis."""
-    if not isinstance(fmt, Format):
-        raise ValueError(f"quantize: fmt must be jax_fp4.NVFP4(...) or jax_fp4.MXFP8(...), got {fmt!r}")
-    axis = fmt.validate(jnp.shape(x), jnp.result_type(x), axis)
-    if isinstance(fmt, NVFP4) and fmt.stochastic_rounding and key is None:
-        raise ValueError(f"{fmt!r}: stochastic rounding needs a PRNG key (quantize(..., key=key)); x {jnp.shape(x)}")
-    return axis
 
 
 def quantize(x, fmt: Format, *, axis: int = -1, key=None) -> Quantized:

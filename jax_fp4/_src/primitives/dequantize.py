@@ -49,7 +49,8 @@ from jax_fp4.formats import MXFP8, NVFP4
 from jax_fp4.quantized_array import SCALE_LAYOUTS
 from jax_fp4.reference import codes, layout, mxfp8, nvfp4, rht
 
-__all__ = ["dequantize_p", "dequantize_3d", "dequantize_array", "dequantize_operands", "OUT_DTYPES"]
+__all__ = ["dequantize_p", "dequantize_3d", "dequantize_array", "dequantize_operands", "block_scaled_values",
+           "OUT_DTYPES"]
 
 #: Output dtypes.
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -257,8 +258,10 @@ def dequantize_3d(data, scale, amax, window_amax, *, fmt, out_dtype, scale_layou
                              transpose_out=bool(transpose_out))
 
 
-def dequantize_operands(q, dtype=jnp.float32):
+def dequantize_operands(q, dtype=jnp.float32, *, inverse_rht: bool = True):
     """(operands, params) of the `jf4_dequantize` bind for a QuantizedArray q: its [P, R, C] view.
+
+    inverse_rht=False leaves an RHT tensor's values in the transformed domain (params' fmt without rht).
 
     View: with a = q.axis and x's shape (lead, n, trail): rowwise (a last) [1, prod(lead), n]; NVFP4 otherwise
     [prod(lead), prod(trail), n] with transpose_out (the data stores x[p].T); MXFP8 otherwise
@@ -285,9 +288,19 @@ def dequantize_operands(q, dtype=jnp.float32):
         w = q.window_amax.reshape(P, R, C // fmt.window_size)
     else:
         w = jnp.zeros((0,), jnp.float32)
-    params = dict(fmt=fmt, out_dtype=jnp.dtype(dtype), scale_layout=q.scale_layout, mx_columnwise=mx_col,
-                  transpose_out=transpose)
+    params = dict(fmt=fmt.replace(rht=False) if fmt.rht and not inverse_rht else fmt, out_dtype=jnp.dtype(dtype),
+                  scale_layout=q.scale_layout, mx_columnwise=mx_col, transpose_out=transpose)
     return (data, scale, amax, w), params
+
+
+def block_scaled_values(q, dtype=jnp.bfloat16):
+    """value(q) * block scale of a QuantizedArray with a tensor amax (NVFP4 1D/2D/RHT), in q.shape and `dtype`:
+    the tensor scale and the inverse RHT left out (the emulated GEMM's operand; exact in bfloat16). One
+    `jf4_dequantize` bind in its block-scales-only mode (an empty amax operand)."""
+    if not q.fmt.has_tensor_amax:
+        raise ValueError(f"block_scaled_values: {q!r} has no tensor amax (NVFP4 1D/2D/RHT only)")
+    (data, scale, _, _), params = dequantize_operands(q, dtype, inverse_rht=False)
+    return dequantize_3d(data, scale, None, None, block_scales_only=True, **params).reshape(q.shape)
 
 
 def dequantize_array(q, dtype=jnp.float32):

@@ -65,6 +65,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
+from jax_fp4 import validation
 from jax_fp4._src import ffi as _ffi
 from jax_fp4._src import ffi_codes
 from jax_fp4._src.ffi_codes import GroupedDequantizeFlag, QuantizeOption
@@ -73,7 +74,7 @@ from jax_fp4._src.primitives._common import def_impl, def_not_differentiable
 from jax_fp4.formats import NVFP4, Format
 from jax_fp4.reference import codes
 from jax_fp4.reference import grouped as ref
-from jax_fp4.reference.grouped import Representation
+from jax_fp4.validation import Representation
 
 __all__ = ["grouped_quantize_p", "grouped_dequantize_p", "grouped_quantize_raw", "grouped_dequantize_raw",
            "OUTPUT_NAMES", "OUT_DTYPES"]
@@ -159,8 +160,8 @@ def _quantize_abstract_eval(x, first_dims, last_dims, key_row, key_col, amax_in,
         if fmt is not None:
             if not isinstance(fmt, Format):
                 raise ValueError(f"{where}: expected a jax_fp4 Format, got {fmt!r}")
-            ref.check_format(fmt, key=True, what="jf4_grouped_quantize")
-            ref.check_static_alignment(x.shape, representation, n, axis == 0, fmt, "jf4_grouped_quantize")
+            validation.check_format(fmt, key=True, what="jf4_grouped_quantize")
+            validation.check_static_alignment(x.shape, representation, n, axis == 0, fmt, "jf4_grouped_quantize")
     size = math.prod(x.shape)
     outs = _orientation_avals(row_fmt, size, n) + _orientation_avals(col_fmt, size, n)
     if not dbias:

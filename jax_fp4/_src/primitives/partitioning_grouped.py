@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax_fp4._src.primitives import partitioning_base
 from jax_fp4._src.primitives.partitioning_base import mesh_size, shard_index, spec_of, split_factors
 from jax_fp4.formats import NVFP4
-from jax_fp4.reference.grouped import Representation
+from jax_fp4.validation import Representation
 
 __all__ = ["grouped_dequantize_cp", "grouped_k_axis", "grouped_quantize_cp", "lowering"]
 
