@@ -70,7 +70,7 @@ def _scale_limits(fmt):
 
 def _to_x_layout(a, q: QuantizedArray):
     """A data-layout array of q (NVFP4: block axis last) in the logical (x's) layout."""
-    if isinstance(q.fmt, NVFP4):
+    if q.fmt.stores_block_axis_last:
         return jnp.moveaxis(a, -1, q.axis)
     return a
 
@@ -107,7 +107,7 @@ def quantization_stats(x, q: QuantizedArray) -> jax.Array:
     q = unswizzle_scales(q)
     fmt = q.fmt
     x = x.reshape(q.shape).astype(jnp.float32)
-    rht_on = isinstance(fmt, NVFP4) and fmt.rht
+    rht_on = fmt.rht
     if rht_on:  # compare where the quantization happens: the transformed values (block axis last, then back)
         xd = jnp.moveaxis(rht.forward(jnp.moveaxis(x, q.axis, -1)), -1, q.axis)
         qd = QuantizedArray(q.data, q.scale, q.amax, q.window_amax, fmt=fmt.replace(rht=False), axis=q.axis)

@@ -14,7 +14,7 @@ import numpy as np
 
 from jax_fp4 import validation
 from jax_fp4._src.primitives.grouped import grouped_dequantize_raw, grouped_quantize_raw
-from jax_fp4.formats import NVFP4, Format
+from jax_fp4.formats import Format
 from jax_fp4.grouped_array import GroupedQuantizedArray
 from jax_fp4.reference import grouped as ref
 
@@ -34,11 +34,11 @@ def _dims(group_sizes, last_dims, where):
 
 
 def _needs_key(fmt) -> bool:
-    return isinstance(fmt, NVFP4) and fmt.stochastic_rounding
+    return isinstance(fmt, Format) and fmt.needs_key
 
 
 def _array(o, prefix, fmt, axis, rep, rows, cols, shape):
-    amax = o[f"{prefix}_amax"] if isinstance(fmt, NVFP4) else None
+    amax = o[f"{prefix}_amax"] if fmt.has_tensor_amax else None
     return GroupedQuantizedArray(o[f"{prefix}_data"], o[f"{prefix}_scale"], amax, rows, cols,
                                  ref.group_offsets(rows, cols), fmt=fmt, axis=axis, representation=rep,
                                  shape=tuple(shape))
@@ -48,7 +48,7 @@ def _given_amax(amax, fmt, n, where, side):
     """float32[N] of a given per-group amax (None stays None); ValueError for non-NVFP4 formats or a bad shape."""
     if amax is None:
         return None
-    if not isinstance(fmt, NVFP4):
+    if fmt is None or not fmt.has_tensor_amax:
         raise ValueError(f"{where}: a given {side} amax needs an NVFP4 format (it sets the tensor scale), got {fmt!r}")
     a = jnp.asarray(amax)
     if a.shape != (n,) or not jnp.issubdtype(a.dtype, jnp.floating):

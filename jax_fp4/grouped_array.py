@@ -12,7 +12,7 @@ import math
 import jax
 import numpy as np
 
-from jax_fp4.formats import NVFP4, Format
+from jax_fp4.formats import Format
 from jax_fp4.quantized_array import QuantizedArray
 from jax_fp4.reference.grouped import GroupedQuantized
 from jax_fp4.validation import Representation
@@ -90,7 +90,7 @@ class GroupedQuantizedArray:
                 continue
             data = self.data[off[g] : off[g + 1]].reshape(self.fmt.data_shape(shape, axis))
             scale = self.scale[off[g] // bs : off[g + 1] // bs].reshape(self.fmt.scale_shape(shape, axis))
-            amax = self.amax[g] if isinstance(self.fmt, NVFP4) else None
+            amax = self.amax[g] if self.fmt.has_tensor_amax else None
             out.append(QuantizedArray(data, scale, amax, None, fmt=self.fmt, axis=axis))
         return out
 

@@ -119,7 +119,7 @@ class QuantizedArray:
     @property
     def shape(self) -> tuple[int, ...]:
         """Shape of the original (unquantized) array."""
-        if isinstance(self.fmt, NVFP4):
+        if self.fmt.stores_block_axis_last:
             return _moved_back(self.data.shape, self.axis)
         return tuple(self.data.shape)
 

@@ -154,16 +154,15 @@ def _check_sizes(x_shape, rep, first_dims, last_dims, n, colwise, bs, fmt):
 
 def check_format(fmt, key, what: str = "grouped_quantize"):
     """ValueError for formats grouped quantize does not support, or stochastic rounding without a key."""
-    if isinstance(fmt, NVFP4):
-        if fmt.scaling_2d or fmt.local_1x64:
-            raise ValueError(f"{what}: {fmt!r} is not supported for grouped tensors (scaling_2d and local_1x64 are "
-                             f"single-tensor only; for N same-shape tensors such as expert weights use "
-                             f"jax.vmap(jax_fp4.quantize)); use NVFP4 1D (optionally rht / stochastic_rounding) or "
-                             f"MXFP8")
-        if fmt.stochastic_rounding and key is None:
-            raise ValueError(f"{what}: {fmt!r} needs a PRNG key ({what}(..., key=key))")
-    elif not isinstance(fmt, MXFP8):
+    if not isinstance(fmt, (NVFP4, MXFP8)):
         raise ValueError(f"{what}: fmt must be jax_fp4.NVFP4(...) or jax_fp4.MXFP8(...), got {fmt!r}")
+    if fmt.scaling_2d or fmt.local_1x64:
+        raise ValueError(f"{what}: {fmt!r} is not supported for grouped tensors (scaling_2d and local_1x64 are "
+                         f"single-tensor only; for N same-shape tensors such as expert weights use "
+                         f"jax.vmap(jax_fp4.quantize)); use NVFP4 1D (optionally rht / stochastic_rounding) or "
+                         f"MXFP8")
+    if fmt.needs_key and key is None:
+        raise ValueError(f"{what}: {fmt!r} needs a PRNG key ({what}(..., key=key))")
 
 
 def normalize_axis(axis) -> int:

@@ -217,7 +217,7 @@ def grouped_quantize(x, fmt: Format, *, first_dims=None, last_dims=None, num_gro
     """
     x, rep, n, rows, cols, axis = validate(x, fmt, first_dims=first_dims, last_dims=last_dims,
                                            num_groups=num_groups, axis=axis, key=key)
-    words = group_key_words(key, n) if isinstance(fmt, NVFP4) and fmt.stochastic_rounding else None
+    words = group_key_words(key, n) if fmt.needs_key else None
     data, scale, amax = quantize_groups(x, rows, cols, fmt, axis, words)
     return GroupedQuantized(data, scale, amax, rows, cols, group_offsets(rows, cols), fmt, axis, rep, tuple(x.shape))
 
@@ -255,7 +255,7 @@ def quantize_groups(x, rows, cols, fmt: Format, axis: int, key_words=None, amax=
     # Data: output position -> internal position (NVFP4 stores the oriented order; MXFP8 keeps [M_g, K_g]).
     p = jnp.arange(size, dtype=I32)
     g2, l2, v2 = lay.locate(p, offsets)
-    mxfp8_col = transposed and isinstance(fmt, MXFP8)
+    mxfp8_col = transposed and not fmt.stores_block_axis_last  # MXFP8 columnwise keeps [M_g, K_g]
     l2 = _c2o(l2, rows[g2], cols[g2]) if mxfp8_col else l2
     data = _take(q, jnp.where(v2, lay.aoff[g2] + l2, -1), lay.internal)
     # Scales: output slot -> internal block.
@@ -266,7 +266,7 @@ def quantize_groups(x, rows, cols, fmt: Format, axis: int, key_words=None, amax=
     scale = _take(sc, jnp.where(v3, lay.aoff[g3] // bs + l3, -1), lay.internal // bs)
     # Poison misaligned groups (traced sizes; see the module docstring).
     scale = jnp.where(v3 & bad[g3], U32(_SCALE_NAN[type(fmt)]), scale)
-    if isinstance(fmt, MXFP8):
+    if not fmt.has_tensor_amax:  # MXFP8: NaN codes (NVFP4: a NaN amax)
         data = jnp.where(v2 & bad[g2], U32(_MX_DATA_NAN), data)
     else:
         amax = jnp.where(bad, jnp.float32(jnp.nan), amax)
@@ -350,7 +350,7 @@ def dequantize_groups(data, scale, amax, rows, cols, fmt: Format, axis: int, x_s
     offsets = group_offsets(rows, cols)
     lay = _Layout(rows, cols, offsets, total, bs)
     transposed = axis == 0
-    mxfp8_col = transposed and isinstance(fmt, MXFP8)
+    mxfp8_col = transposed and not fmt.stores_block_axis_last  # MXFP8 columnwise keeps [M_g, K_g]
 
     # Internal (oriented, block-aligned) position -> stored data position, internal block -> stored scale slot.
     g, local, valid = lay.locate(jnp.arange(lay.internal, dtype=I32), lay.aoff)

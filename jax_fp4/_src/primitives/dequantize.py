@@ -59,14 +59,6 @@ dequantize_p = Primitive("jf4_dequantize")
 def_impl(dequantize_p)
 
 
-def _tensor_scale(fmt) -> bool:
-    return isinstance(fmt, NVFP4) and not fmt.local_1x64
-
-
-def _local_1x64(fmt) -> bool:
-    return isinstance(fmt, NVFP4) and fmt.local_1x64
-
-
 def scale_matrix_shape(fmt, shape, mx_columnwise) -> tuple[int, int]:
     """[rows, cols] of the 2-D scale matrix of data [P, R, C]."""
     P, R, C = shape
@@ -99,27 +91,27 @@ def _abstract_eval(data, scale, amax, window_amax, *, fmt, out_dtype, scale_layo
         raise ValueError(f"{where}: output dtype must be float32, bfloat16 or float16, got {out_dtype}")
     if scale_layout not in SCALE_LAYOUTS:
         raise ValueError(f"{where}: scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
-    if mx_columnwise and not isinstance(fmt, MXFP8):
+    if mx_columnwise and fmt.stores_block_axis_last:
         raise ValueError(f"{where}: mx_columnwise is for MXFP8 (NVFP4 stores its block axis last)")
-    if transpose_out and not isinstance(fmt, NVFP4):
+    if transpose_out and not fmt.stores_block_axis_last:
         raise ValueError(f"{where}: transpose_out is for NVFP4 (MXFP8 keeps x's layout)")
     P, R, C = data.shape
     blocked = R if mx_columnwise else C
-    if blocked % fmt.block_size or (_local_1x64(fmt) and C % fmt.window_size):
+    if blocked % fmt.block_size or (fmt.local_1x64 and C % fmt.window_size):
         raise ValueError(f"{where}: the block axis ({'R' if mx_columnwise else 'C'} = {blocked}) is not a whole "
-                         f"number of {fmt.window_size if _local_1x64(fmt) else fmt.block_size}-blocks")
+                         f"number of {fmt.window_size if fmt.local_1x64 else fmt.block_size}-blocks")
     if scale_layout == "swizzled":
         expect = padded_shape(*scale_matrix_shape(fmt, data.shape, mx_columnwise))
     else:
         expect = compact_scale_shape(fmt, data.shape, mx_columnwise)
     _check_operand(where, f"scale ({scale_layout})", scale, expect, fmt.scale_dtype)
-    if _tensor_scale(fmt):
+    if fmt.has_tensor_amax:
         if tuple(amax.shape) not in ((1,), (P,), (0,)) or amax.dtype != jnp.float32:
             raise ValueError(f"{where}: amax must be float32[1] or float32[{P}] (or float32[0]: block scales only), "
                              f"got {amax.dtype}{list(amax.shape)}")
     else:
         _check_operand(where, "amax (unused by this format)", amax, (0,), jnp.float32)
-    w_shape = (P, R, C // fmt.window_size) if _local_1x64(fmt) else (0,)
+    w_shape = (P, R, C // fmt.window_size) if fmt.local_1x64 else (0,)
     _check_operand(where, "window_amax", window_amax, w_shape, jnp.float32)
     return jax.core.ShapedArray((P, C, R) if transpose_out else (P, R, C), jnp.dtype(out_dtype))
 
@@ -145,14 +137,14 @@ def reference_dequantize(data, scale, amax, window_amax, *, fmt, out_dtype, scal
     data, scale, amax, window_amax = lax.optimization_barrier((data, scale, amax, window_amax))
     if scale_layout == "swizzled":
         scale = _compact_from_swizzled(fmt, scale, data.shape, mx_columnwise)
-    if _tensor_scale(fmt) and amax.shape[0] == 0:  # block scales only (see the module docstring)
+    if fmt.has_tensor_amax and amax.shape[0] == 0:  # block scales only (see the module docstring)
         bs = fmt.block_size
         v = codes.e2m1_value(codes.from_dtype(data))
         v = (v.reshape(*v.shape[:-1], v.shape[-1] // bs, bs) * scale.astype(jnp.float32)[..., None]).reshape(v.shape)
         v = rht.inverse(v) if fmt.rht else v
     elif isinstance(fmt, NVFP4):
         a = None
-        if _tensor_scale(fmt):
+        if fmt.has_tensor_amax:
             a = amax[0] if amax.shape[0] == 1 else amax[:, None, None]
         w = window_amax if fmt.local_1x64 else None
         v = nvfp4.dequantize(codes.from_dtype(data), codes.from_dtype(scale), a, w, fmt)
@@ -218,11 +210,11 @@ def _batch_rule(args, dims, *, fmt, out_dtype, scale_layout, mx_columnwise, tran
             scale = jnp.swapaxes(m.reshape(B, P, C, R // fmt.block_size), 2, 3)
         else:
             scale = m.reshape(B, *compact_scale_shape(fmt, (P, R, C), mx_columnwise))
-    if _tensor_scale(fmt) and amax.shape[-1] != 0:  # [B, 1] or [B, P] -> one amax per folded p
+    if fmt.has_tensor_amax and amax.shape[-1] != 0:  # [B, 1] or [B, P] -> one amax per folded p
         amax = jnp.broadcast_to(amax, (B, P)).reshape(B * P)
     else:
         amax = jnp.zeros((0,), jnp.float32)
-    if _local_1x64(fmt):
+    if fmt.local_1x64:
         window_amax = window_amax.reshape(B * P, *window_amax.shape[2:])
     else:
         window_amax = jnp.zeros((0,), jnp.float32)
@@ -248,7 +240,7 @@ def dequantize_3d(data, scale, amax, window_amax, *, fmt, out_dtype, scale_layou
     """Bind the primitive (see the module docstring). amax: None, a scalar, or float32[1] / [P]; window_amax:
     None or float32[P, R, C/64]. block_scales_only (NVFP4 1D/2D/RHT, amax None): value(q) * s_b, the GEMM
     emulation's operand; without it a missing NVFP4 tensor amax is a ValueError, never a silent omission."""
-    if _tensor_scale(fmt) and (amax is None) != bool(block_scales_only):
+    if fmt.has_tensor_amax and (amax is None) != bool(block_scales_only):
         raise ValueError(f"jf4_dequantize ({fmt!r}): amax must be float32[1] or float32[P] (the tensor amax), or None "
                          f"with block_scales_only=True; got amax={'None' if amax is None else 'an array'}, "
                          f"block_scales_only={block_scales_only}")
@@ -274,7 +266,7 @@ def dequantize_operands(q, dtype=jnp.float32, *, inverse_rht: bool = True):
     P, T = math.prod(shape[:a]), math.prod(shape[a + 1:])
     if a == nd - 1:  # rowwise: [1, rows, n]
         P, R, C, transpose, mx_col = 1, P, n, False, False
-    elif isinstance(fmt, NVFP4):  # stored [lead, trail, n]; x is its per-lead transpose
+    elif fmt.stores_block_axis_last:  # NVFP4: stored [lead, trail, n]; x is its per-lead transpose
         R, C, transpose, mx_col = T, n, True, False
     else:  # MXFP8 keeps x's layout; blocks along R
         R, C, transpose, mx_col = n, T, False, True
@@ -283,8 +275,8 @@ def dequantize_operands(q, dtype=jnp.float32, *, inverse_rht: bool = True):
         scale = q.scale
     else:
         scale = q.scale.reshape(compact_scale_shape(fmt, (P, R, C), mx_col))
-    amax = _amax_operand(q.amax if _tensor_scale(fmt) else None)
-    if _local_1x64(fmt):
+    amax = _amax_operand(q.amax if fmt.has_tensor_amax else None)
+    if fmt.local_1x64:
         w = q.window_amax.reshape(P, R, C // fmt.window_size)
     else:
         w = jnp.zeros((0,), jnp.float32)

@@ -97,7 +97,7 @@ def _placeholder(dtype):
 
 
 def _tensor_scale(fmt) -> bool:
-    return isinstance(fmt, NVFP4)
+    return fmt is not None and fmt.has_tensor_amax
 
 
 def _check_dims(where, first_dims, last_dims):
@@ -212,7 +212,7 @@ def reference_quantize(x, first_dims, last_dims, key_row, key_col, amax_in, *, r
         if fmt is None:
             outs += [jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.float32)]
             continue
-        words = kw if isinstance(fmt, NVFP4) and fmt.stochastic_rounding else None
+        words = kw if fmt.needs_key else None
         given = amax_in[o * n : (o + 1) * n] if amax_given & (1 << o) else None
         data, scale, amax = ref.quantize_groups(x, first_dims, last_dims, fmt, axis, words, amax=given)
         outs += [data, scale, jnp.zeros((0,), jnp.float32) if amax is None else amax]

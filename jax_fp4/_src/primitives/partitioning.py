@@ -58,7 +58,6 @@ from jax_fp4._src.primitives.partitioning_base import (
     spec_of,
     split_factors,
 )
-from jax_fp4.formats import NVFP4
 from jax_fp4.reference import sr
 
 __all__ = ["dequantize_specs", "lowering", "quantize_result_specs", "quantize_x_spec", "swizzle_spec"]
@@ -72,11 +71,9 @@ def _granule(fmt, blocked: bool) -> int:
     (2D tiles and 1x64 column windows span 16 / 64 rows)."""
     if fmt is None:
         return 1
-    if isinstance(fmt, NVFP4):
-        if fmt.local_1x64:
-            return fmt.window_size
-        return fmt.block_size if blocked else (fmt.tile_2d if fmt.scaling_2d else 1)
-    return fmt.block_size if blocked else 1
+    if fmt.local_1x64:
+        return fmt.window_size
+    return fmt.block_size if blocked else (fmt.tile_2d if fmt.scaling_2d else 1)
 
 
 def quantize_x_spec(mesh, shape, spec, row_fmt, col_fmt, scale_layout, dbias):
@@ -121,10 +118,10 @@ def quantize_result_specs(x_spec, row_fmt, col_fmt, scale_layout, dbias):
         out += [none] * 3
     else:
         out += [PartitionSpec(p, m, k), PartitionSpec(m, None) if swz else PartitionSpec(p, m, k),
-                PartitionSpec(p, m, k) if isinstance(row_fmt, NVFP4) and row_fmt.local_1x64 else none]
+                PartitionSpec(p, m, k) if row_fmt.local_1x64 else none]
     if col_fmt is None:
         out += [none] * 3
-    elif isinstance(col_fmt, NVFP4):
+    elif col_fmt.stores_block_axis_last:  # NVFP4: data [P, K, M]
         out += [PartitionSpec(p, k, m), PartitionSpec(k, None) if swz else PartitionSpec(p, k, m),
                 PartitionSpec(p, k, m) if col_fmt.local_1x64 else none]
     else:
@@ -138,7 +135,7 @@ def _divisors(fmt, blocked: bool, compact: bool):
     if fmt is None or not blocked:
         return set()
     out = {fmt.block_size} if compact else set()
-    if isinstance(fmt, NVFP4) and fmt.local_1x64:
+    if fmt.local_1x64:
         out.add(fmt.window_size)
     return out
 
@@ -161,10 +158,10 @@ def _quantize_rule(row_fmt, col_fmt, scale_layout, dbias, shape, devices):
         outs += [own(), own(), own()]
     else:
         outs += [f"p {m} {k}", f"{own()} {own()}" if swz else f"p {m} {Km[row_fmt.block_size]}",
-                 f"p {m} {Km[64]}" if isinstance(row_fmt, NVFP4) and row_fmt.local_1x64 else own()]
+                 f"p {m} {Km[64]}" if row_fmt.local_1x64 else own()]
     if col_fmt is None:
         outs += [own(), own(), own()]
-    elif isinstance(col_fmt, NVFP4):
+    elif col_fmt.stores_block_axis_last:  # NVFP4: data [P, K, M]
         outs += [f"p {k} {m}", f"{own()} {own()}" if swz else f"p {k} {Mm[col_fmt.block_size]}",
                  f"p {k} {Mm[64]}" if col_fmt.local_1x64 else own()]
     else:
@@ -195,7 +192,7 @@ def _shard_keys(mesh, x_spec, global_shape, local_shape, key_row, key_col, sr_ro
 
 def _quantize_cp(prim, params, avals_in, devices):
     row_fmt, col_fmt, layout, dbias = params["row_fmt"], params["col_fmt"], params["scale_layout"], params["dbias"]
-    sr_row, sr_col = (isinstance(f, NVFP4) and f.stochastic_rounding for f in (row_fmt, col_fmt))
+    sr_row, sr_col = (f is not None and f.needs_key for f in (row_fmt, col_fmt))
 
     @custom_partitioning
     def f(*args):
@@ -273,7 +270,7 @@ def dequantize_specs(mesh, shape, spec, fmt, scale_layout, mx_columnwise, transp
     """(data, scale, window amax, out) PartitionSpec tuples for data[P, R, C] sharded as `spec` (see the docstring)."""
     P, R, C = shape
     p, r, c = divisible_spec(mesh, shape, spec)
-    granule = fmt.window_size if isinstance(fmt, NVFP4) and fmt.local_1x64 else fmt.block_size
+    granule = fmt.window_size if fmt.local_1x64 else fmt.block_size
     if mx_columnwise:
         r = None if (R // mesh_size(mesh, r)) % granule else r
     else:
@@ -314,7 +311,7 @@ def _dequantize_rule(fmt, scale_layout, mx_columnwise, transpose_out, amax_per_p
     else:
         scale = f"p {Rm[fmt.block_size]} {c}" if mx_columnwise else f"p {r} {Cm[fmt.block_size]}"
     amax = "p" if amax_per_p else "a0"
-    wamax = f"p {r} {Cm[64]}" if isinstance(fmt, NVFP4) and fmt.local_1x64 else "w0"
+    wamax = f"p {r} {Cm[64]}" if fmt.local_1x64 else "w0"
     out = f"p {c} {r}" if transpose_out else f"p {r} {c}"
     return f"p {r} {c}, {scale}, {amax}, {wamax} -> {out}", {**rs, **cs}
 
@@ -324,7 +321,7 @@ def _dequantize_cp(prim, params, avals_in, devices):
     mx_col, transpose = params["mx_columnwise"], params["transpose_out"]
     P = avals_in[0].shape[0]
     amax_per_p = P > 1 and tuple(avals_in[2].shape) == (P,)
-    local_1x64 = isinstance(fmt, NVFP4) and fmt.local_1x64
+    local_1x64 = fmt.local_1x64
 
     @custom_partitioning
     def f(*args):

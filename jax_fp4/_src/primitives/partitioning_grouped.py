@@ -14,7 +14,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_fp4._src.primitives import partitioning_base
 from jax_fp4._src.primitives.partitioning_base import mesh_size, shard_index, spec_of, split_factors
-from jax_fp4.formats import NVFP4
 from jax_fp4.validation import Representation
 
 __all__ = ["grouped_dequantize_cp", "grouped_k_axis", "grouped_quantize_cp", "lowering"]
@@ -27,8 +26,8 @@ def _grouped_k_granule(params, kind):
         return None
     if kind == "grouped_quantize":
         fmts = [f for f in (params["row_fmt"], params["col_fmt"]) if f is not None]
-        return None if any(isinstance(f, NVFP4) for f in fmts) else max(f.block_size for f in fmts)
-    if isinstance(params["fmt"], NVFP4) and params["axis"] == 0:
+        return None if any(f.has_tensor_amax for f in fmts) else max(f.block_size for f in fmts)
+    if params["fmt"].stores_block_axis_last and params["axis"] == 0:  # NVFP4 columnwise: [K, M_g] per group
         return None
     return params["fmt"].block_size
 

@@ -52,7 +52,7 @@ from jax_fp4._src.ffi_codes import QuantizeFlag
 from jax_fp4._src.primitives import partitioning
 from jax_fp4._src.primitives._common import def_impl, def_not_differentiable
 from jax_fp4._src.primitives.dequantize import reference_dequantize
-from jax_fp4.formats import MXFP8, NVFP4, Format, round_up
+from jax_fp4.formats import NVFP4, Format, round_up
 from jax_fp4.quantized_array import SCALE_LAYOUTS
 from jax_fp4.reference import codes, layout, mxfp8, nvfp4
 
@@ -77,7 +77,7 @@ def _orientation_avals(fmt, P, M, K, col, swizzled, exact):
     if fmt is None:
         return _placeholder(jnp.uint8), _placeholder(jnp.uint8), _placeholder(jnp.float32)
     bs = fmt.block_size
-    if isinstance(fmt, NVFP4):
+    if fmt.stores_block_axis_last:  # NVFP4: columnwise data is the rowwise quantization of x.T
         rows, n = (K, M) if col else (M, K)
         data = (P, rows, n)
         scale = (P, rows, n // bs)
@@ -111,7 +111,7 @@ def _check(x_shape, x_dtype, row_fmt, col_fmt, scale_layout, exact=(False, False
     if not (isinstance(exact, tuple) and len(exact) == 2 and all(isinstance(e, bool) for e in exact)):
         raise ValueError(f"{where}: exact must be a (rowwise, columnwise) pair of bools, got {exact!r}")
     for fmt, on, side in ((row_fmt, exact[0], "rowwise"), (col_fmt, exact[1], "columnwise")):
-        if on and (fmt is None or (isinstance(fmt, NVFP4) and fmt.local_1x64)):
+        if on and (fmt is None or not fmt.exact_operand_ok):
             raise ValueError(f"{where}: no exact {side} operand for {fmt!r} (needs NVFP4 1D/2D/RHT or MXFP8; 1x64 "
                              "window scales do not factor out of a GEMM)")
 
@@ -140,7 +140,7 @@ quantize_p.def_abstract_eval(_abstract_eval)
 def _exact_values(fmt, data, scale, mx_columnwise):
     """bfloat16 value(q) * block scale of compact codes (the `jf4_dequantize` reference, block scales only)."""
     empty = jnp.zeros((0,), jnp.float32)
-    if isinstance(fmt, NVFP4):
+    if fmt.rht:
         fmt = fmt.replace(rht=False)  # the RHT cancels in the product of two RHT operands
     return reference_dequantize(data, scale, empty, empty, fmt=fmt, out_dtype=jnp.bfloat16, scale_layout="compact",
                                 mx_columnwise=mx_columnwise, transpose_out=False)
@@ -165,11 +165,11 @@ def _reference_orientation(y, fmt, amax, key_words, col, swizzled, exact=False):
             data = jnp.swapaxes(data, 1, 2)
     scale = codes.to_dtype(sc, fmt.scale_dtype)  # block axis last
     if exact:
-        mx_col = col and isinstance(fmt, MXFP8)
+        mx_col = col and not fmt.stores_block_axis_last
         data = _exact_values(fmt, data, jnp.swapaxes(scale, 1, 2) if mx_col else scale, mx_col)
     if swizzled:
         scale = layout.swizzle(scale.reshape(math.prod(scale.shape[:-1]), scale.shape[-1]))
-    elif col and isinstance(fmt, MXFP8):
+    elif col and not fmt.stores_block_axis_last:  # MXFP8 columnwise scales [P, M/32, K]
         scale = jnp.swapaxes(scale, 1, 2)
     return data, scale, wamax
 
@@ -214,7 +214,7 @@ def kernel_supports(shape, row_fmt, col_fmt) -> bool:
     """Whether the CUDA kernel tiles this case (else the CUDA lowering runs the reference)."""
     P, M, K = shape
     for fmt, other in ((row_fmt, M), (col_fmt, K)):
-        if isinstance(fmt, NVFP4) and fmt.scaling_2d and P > 1 and other % fmt.tile_2d:
+        if fmt is not None and fmt.scaling_2d and P > 1 and other % fmt.tile_2d:
             return False
     return P * M * K < 2**40
 
@@ -281,7 +281,7 @@ def _batch_rule(args, dims, **params):
         return jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
 
     x, amax_row, amax_col = lead(x, bx), lead(amax_row, bar), lead(amax_col, bac)
-    sr = any(isinstance(f, NVFP4) and f.stochastic_rounding for f in (params["row_fmt"], params["col_fmt"]))
+    sr = any(f is not None and f.needs_key for f in (params["row_fmt"], params["col_fmt"]))
     # Folding into P is exact only where the result of example b does not depend on b's position: per-example SR
     # streams restart at counter 0 and swizzled layouts pad per example, so those map the reference instead.
     if sr or bkr is not None or bkc is not None or params["scale_layout"] != "compact":
