@@ -11,6 +11,7 @@
 
 #include "common/convert.cuh"
 #include "common/errors.h"
+#include "common/ffi_codes.h"
 #include "common/ffi_utils.h"
 #include "common/scale_layout.cuh"
 #include "cpu/parallel.h"
@@ -21,9 +22,10 @@ namespace jax_fp4 {
 namespace cpu {
 namespace {
 
-// dequantize.py flags (cpp/dequantize/args.cuh Option).
-constexpr int kRhtFlag = 2, k1x64Flag = 8, kSwizzledFlag = 1 << 16, kTransposeOut = 1 << 17, kMxColumnwise = 1 << 18,
-              kBlockOnlyFlag = 1 << 19;
+// jf4_dequantize flags (common/ffi_codes.h).
+constexpr int kRhtFlag = codes::dequantize::kRht, k1x64Flag = codes::dequantize::kLocal1x64,
+              kSwizzledFlag = codes::dequantize::kSwizzled, kTransposeOut = codes::dequantize::kTransposeOut,
+              kMxColumnwise = codes::dequantize::kMxColumnwise, kBlockOnlyFlag = codes::dequantize::kBlockOnly;
 constexpr int64_t kMinWork = 1 << 18;  // elements per extra thread
 
 int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }

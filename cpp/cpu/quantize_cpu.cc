@@ -11,6 +11,7 @@
 
 #include "common/convert.cuh"
 #include "common/errors.h"
+#include "common/ffi_codes.h"
 #include "common/ffi_utils.h"
 #include "cpu/parallel.h"
 #include "cpu/quantize_cpu.h"
@@ -22,7 +23,8 @@ namespace {
 
 constexpr size_t kShardKeyWords = 8;  // quantize.py SHARD_KEY_WORDS
 constexpr int64_t kMinWork = 1 << 18;  // elements per extra thread (smaller calls stay on the caller's thread)
-constexpr int kFlagSwizzled = 1 << 16, kFlagDbias = 1 << 17, kFlagRowExact = 1 << 18, kFlagColExact = 1 << 19;
+constexpr int kFlagSwizzled = codes::quantize::kSwizzled, kFlagDbias = codes::quantize::kDbias,
+              kFlagRowExact = codes::quantize::kRowExact, kFlagColExact = codes::quantize::kColExact;
 
 int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -173,8 +175,10 @@ ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax_row, ffi::B
   JF4_CHECK(!with_dbias || col_kind != kNone, "jf4_quantize: dbias needs a columnwise output");
 
   Orientation row, col;
-  row.kind = row_kind, row.opts = flags & 0xFF, row.exact = flags & kFlagRowExact, row.swizzled = swizzled;
-  col.kind = col_kind, col.opts = (flags >> 8) & 0xFF, col.exact = flags & kFlagColExact, col.swizzled = swizzled;
+  const int mask = codes::quantize::kOptionMask;
+  row.kind = row_kind, row.opts = flags & mask, row.exact = flags & kFlagRowExact, row.swizzled = swizzled;
+  col.kind = col_kind, col.opts = (flags >> codes::quantize::kColShift) & mask, col.exact = flags & kFlagColExact,
+  col.swizzled = swizzled;
   col.col = true;
   row.amax = amax_row.typed_data(), col.amax = amax_col.typed_data();
   row.key = key_row.typed_data(), col.key = key_col.typed_data();

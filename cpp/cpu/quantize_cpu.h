@@ -6,12 +6,21 @@
 
 #include <cstdint>
 
+#include "common/ffi_codes.h"
+
 namespace jax_fp4 {
 namespace cpu {
 
-// Format kinds and NVFP4 option bits of the jf4_quantize attributes (jax_fp4/_src/primitives/quantize.py).
-enum Kind : int { kNone = 0, kNvfp4 = 1, kMxfp8E4m3 = 2, kMxfp8E5m2 = 3 };
-enum Option : int { kSr = 1, kRht = 2, k2d = 4, k1x64 = 8 };
+// Format kinds and NVFP4 option bits of the jf4_quantize attributes (common/ffi_codes.h).
+using codes::Kind;
+using codes::kMxfp8E4m3;
+using codes::kMxfp8E5m2;
+using codes::kNone;
+using codes::kNvfp4;
+enum Option : int {
+  kSr = codes::quantize::kSr, kRht = codes::quantize::kRht, k2d = codes::quantize::kScaling2d,
+  k1x64 = codes::quantize::kLocal1x64
+};
 
 constexpr int kBand = 16;  // oriented rows per work unit (one 2D tile high)
 
