@@ -3,6 +3,8 @@
 * Tests marked `gpu` are skipped (with the reason) unless `jax.default_backend() == "gpu"`.
 * `rng` fixture: a numpy Generator seeded per test from the session seed (env JAX_FP4_SEED, else random; the seed is
   printed in the header, so a failure can be replayed with JAX_FP4_SEED=<seed>).
+* Tests marked `gpu` run with the primitives lowered to the jnp reference on the CPU device, so their CPU-side
+  expectations come from `jax_fp4.reference`, not from the CPU extension's host handlers.
 * The suite runs in parallel worker processes (pytest-xdist, `-n auto` in pyproject.toml): the controller draws the
   session seed and hands it to every worker, so each test's inputs depend only on the seed and its id, whichever
   worker runs it. Workers allocate GPU memory on demand (several processes share one GPU).
@@ -81,6 +83,20 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason=reason)
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_tests_against_the_reference(request):
+    """GPU tests compare the CUDA kernels with computations on the CPU device: inside them the primitives lower to the
+    jnp reference on the CPU (`ffi.reference_lowering_on_cpu`), not to the host handlers of the CPU extension, so the
+    oracle of every kernel test stays `jax_fp4.reference`."""
+    if request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    from jax_fp4._src import ffi
+
+    with ffi.reference_lowering_on_cpu():
+        yield
 
 
 @pytest.fixture

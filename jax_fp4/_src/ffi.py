@@ -15,6 +15,7 @@ This module imports only jax and the extension (no other jax_fp4 module), so any
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import threading
 import warnings
@@ -22,8 +23,9 @@ from types import ModuleType
 
 import jax
 
-__all__ = ["HAS_CPU_KERNELS", "HAS_CUDA_KERNELS", "ReferenceOnlyWarning", "cpu_targets", "ensure_cpu_registered",
-           "ensure_registered", "extension", "import_error", "cpu_import_error", "targets"]
+__all__ = ["HAS_CPU_KERNELS", "HAS_CUDA_KERNELS", "ReferenceOnlyWarning", "cpu_import_error", "cpu_rule", "cpu_targets",
+           "ensure_cpu_registered", "ensure_registered", "extension", "import_error", "reference_lowering_on_cpu",
+           "targets"]
 
 
 class ReferenceOnlyWarning(UserWarning):
@@ -106,6 +108,35 @@ def cpu_targets() -> tuple[str, ...]:
     """Names of the FFI targets registered for the CPU (empty without the CPU extension)."""
     ensure_cpu_registered()
     return _cpu_registered or ()
+
+
+_reference_on_cpu = 0  # depth of reference_lowering_on_cpu() contexts
+
+
+@contextlib.contextmanager
+def reference_lowering_on_cpu():
+    """Within this context the primitives lower to the jnp reference on the CPU even where the CPU extension is built.
+
+    It is the oracle of the GPU tests (the CUDA kernels against `jax_fp4.reference`, not against the host handlers)
+    and of `tools/golden/make.py`. jax's compilation caches are cleared on entry and on exit, so no executable
+    lowered on one side of the boundary runs on the other. Not thread-safe: meant for tests and tools.
+    """
+    global _reference_on_cpu
+    jax.clear_caches()
+    _reference_on_cpu += 1
+    try:
+        yield
+    finally:
+        _reference_on_cpu -= 1
+        jax.clear_caches()
+
+
+def cpu_rule(kernel_rule, reference_rule):
+    """The lowering rule a primitive registers for platform "cpu": `kernel_rule` (the host handler), or
+    `reference_rule` inside `reference_lowering_on_cpu()`."""
+    def rule(ctx, *args, **params):
+        return (reference_rule if _reference_on_cpu else kernel_rule)(ctx, *args, **params)
+    return rule
 
 
 def cpu_import_error() -> BaseException | None:

@@ -64,15 +64,15 @@ def _reference(x):
 
 
 # Default lowering: the exact pure-JAX reference (CPU, TPU, and CUDA without the extension).
-mlir.register_lowering(
-    amax_p, partitioning.lowering(amax_p, mlir.lower_fun(_reference, multiple_results=False), "amax"))
+_reference_rule = partitioning.lowering(amax_p, mlir.lower_fun(_reference, multiple_results=False), "amax")
+mlir.register_lowering(amax_p, _reference_rule)
 
 if _ffi.ensure_registered():
     mlir.register_lowering(amax_p, partitioning.lowering(amax_p, jax.ffi.ffi_lowering(FFI_TARGET), "amax"),
                            platform="cuda")
 if _ffi.ensure_cpu_registered() and FFI_TARGET in _ffi.cpu_targets():
-    mlir.register_lowering(amax_p, partitioning.lowering(amax_p, jax.ffi.ffi_lowering(FFI_TARGET), "amax"),
-                           platform="cpu")
+    mlir.register_lowering(amax_p, _ffi.cpu_rule(
+        partitioning.lowering(amax_p, jax.ffi.ffi_lowering(FFI_TARGET), "amax"), _reference_rule), platform="cpu")
 
 
 def _batch_rule(batched_args, batch_dims, **params):

@@ -159,7 +159,8 @@ def reference_dequantize(data, scale, amax, window_amax, *, fmt, out_dtype, scal
 
 
 _reference_lowering = mlir.lower_fun(reference_dequantize, multiple_results=False)
-mlir.register_lowering(dequantize_p, partitioning.lowering(dequantize_p, _reference_lowering, "dequantize"))
+_reference_rule = partitioning.lowering(dequantize_p, _reference_lowering, "dequantize")
+mlir.register_lowering(dequantize_p, _reference_rule)
 
 
 # ---- CUDA lowering ----------------------------------------------------------------------------------------------
@@ -190,8 +191,8 @@ if _ffi.ensure_registered() and "jf4_dequantize" in _ffi.targets():
     mlir.register_lowering(dequantize_p, partitioning.lowering(dequantize_p, _cuda_lowering, "dequantize"),
                            platform="cuda")
 if _ffi.ensure_cpu_registered() and "jf4_dequantize" in _ffi.cpu_targets():  # the host handler (cpp/cpu/)
-    mlir.register_lowering(dequantize_p, partitioning.lowering(dequantize_p, _cuda_lowering, "dequantize"),
-                           platform="cpu")
+    mlir.register_lowering(dequantize_p, _ffi.cpu_rule(
+        partitioning.lowering(dequantize_p, _cuda_lowering, "dequantize"), _reference_rule), platform="cpu")
 
 
 # ---- batching: fold the batch into P ----------------------------------------------------------------------------

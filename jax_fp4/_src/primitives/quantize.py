@@ -197,7 +197,8 @@ def _reference_dbias(x):
 
 
 _reference_lowering = mlir.lower_fun(reference_outputs, multiple_results=True)
-mlir.register_lowering(quantize_p, partitioning.lowering(quantize_p, _reference_lowering, "quantize"))
+_reference_rule = partitioning.lowering(quantize_p, _reference_lowering, "quantize")
+mlir.register_lowering(quantize_p, _reference_rule)
 
 
 # ---- CUDA lowering ----------------------------------------------------------------------------------------------
@@ -267,7 +268,8 @@ if _ffi.ensure_registered():
     mlir.register_lowering(quantize_p, partitioning.lowering(quantize_p, _cuda_lowering, "quantize"), platform="cuda")
 # The CPU handler (cpp/cpu/) takes the same operands, attributes and pairings as the CUDA one.
 if _ffi.ensure_cpu_registered() and "jf4_quantize" in _ffi.cpu_targets():
-    mlir.register_lowering(quantize_p, partitioning.lowering(quantize_p, _cuda_lowering, "quantize"), platform="cpu")
+    mlir.register_lowering(quantize_p, _ffi.cpu_rule(partitioning.lowering(quantize_p, _cuda_lowering, "quantize"),
+                                                     _reference_rule), platform="cpu")
 
 
 # ---- batching ---------------------------------------------------------------------------------------------------

@@ -50,8 +50,8 @@ def _reference(x, *, orientation):
     return _amax(rht.forward(y), axis=(1, 2))
 
 
-mlir.register_lowering(
-    rht_amax_p, partitioning.lowering(rht_amax_p, mlir.lower_fun(_reference, multiple_results=False), "amax"))
+_reference_rule = partitioning.lowering(rht_amax_p, mlir.lower_fun(_reference, multiple_results=False), "amax")
+mlir.register_lowering(rht_amax_p, _reference_rule)
 if _ffi.ensure_registered():
     _ffi_rule = jax.ffi.ffi_lowering("jf4_rht_amax")
 
@@ -65,7 +65,8 @@ if _ffi.ensure_cpu_registered() and "jf4_rht_amax" in _ffi.cpu_targets():
     def _cpu_lowering(ctx, x, *, orientation):
         return _cpu_rule(ctx, x, col=np.int32(orientation == "col"))
 
-    mlir.register_lowering(rht_amax_p, partitioning.lowering(rht_amax_p, _cpu_lowering, "amax"), platform="cpu")
+    mlir.register_lowering(rht_amax_p, _ffi.cpu_rule(partitioning.lowering(rht_amax_p, _cpu_lowering, "amax"),
+                                                     _reference_rule), platform="cpu")
 
 
 def _batch_rule(args, dims, *, orientation, local=False):

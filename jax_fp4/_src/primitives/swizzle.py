@@ -105,10 +105,12 @@ def reference_unswizzle(sw, *, rows, cols):
     return _per_matrix(lambda m: layout.unswizzle(m, rows, cols), sw, (rows, cols))
 
 
-mlir.register_lowering(swizzle_p, partitioning.lowering(
-    swizzle_p, mlir.lower_fun(reference_swizzle, multiple_results=False), "swizzle"))
-mlir.register_lowering(unswizzle_p, partitioning.lowering(
-    unswizzle_p, mlir.lower_fun(reference_unswizzle, multiple_results=False), "unswizzle"))
+_reference_swizzle_rule = partitioning.lowering(
+    swizzle_p, mlir.lower_fun(reference_swizzle, multiple_results=False), "swizzle")
+_reference_unswizzle_rule = partitioning.lowering(
+    unswizzle_p, mlir.lower_fun(reference_unswizzle, multiple_results=False), "unswizzle")
+mlir.register_lowering(swizzle_p, _reference_swizzle_rule)
+mlir.register_lowering(unswizzle_p, _reference_unswizzle_rule)
 
 
 # ---- CUDA lowering ----------------------------------------------------------------------------------------------
@@ -126,9 +128,10 @@ if _ffi.ensure_registered() and {"jf4_swizzle", "jf4_unswizzle"} <= set(_ffi.tar
     mlir.register_lowering(unswizzle_p, partitioning.lowering(unswizzle_p, _cuda_unswizzle, "unswizzle"),
                            platform="cuda")
 if _ffi.ensure_cpu_registered() and {"jf4_swizzle", "jf4_unswizzle"} <= set(_ffi.cpu_targets()):  # cpp/cpu/
-    mlir.register_lowering(swizzle_p, partitioning.lowering(swizzle_p, _cuda_swizzle, "swizzle"), platform="cpu")
-    mlir.register_lowering(unswizzle_p, partitioning.lowering(unswizzle_p, _cuda_unswizzle, "unswizzle"),
-                           platform="cpu")
+    mlir.register_lowering(swizzle_p, _ffi.cpu_rule(partitioning.lowering(swizzle_p, _cuda_swizzle, "swizzle"),
+                                                    _reference_swizzle_rule), platform="cpu")
+    mlir.register_lowering(unswizzle_p, _ffi.cpu_rule(
+        partitioning.lowering(unswizzle_p, _cuda_unswizzle, "unswizzle"), _reference_unswizzle_rule), platform="cpu")
 
 
 # ---- batching: the batch dimension becomes a leading (matrix) dimension ------------------------------------------
