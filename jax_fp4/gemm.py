@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_fp4._src.primitives.dequantize import block_scaled_values, dequantize_array
-from jax_fp4.formats import MXFP8, NVFP4
+from jax_fp4.formats import Format
 from jax_fp4.quantize import unswizzle_scales
 from jax_fp4.quantized_array import ExactOperand, QuantizedArray
 from jax_fp4.reference.nvfp4 import tensor_decode_scale
@@ -71,9 +71,9 @@ def scaled_matmul_lowers() -> bool:
 def _native_formats(fa, fb) -> bool:
     """Whether the native route takes a pair of formats: MXFP8 x MXFP8 (E4M3/E5M2) or NVFP4 1D x NVFP4 1D (no 2D
     scaling, RHT or 1x64 windows: cuDNN's block-scaled GEMM has one 1x16 E4M3 or 1x32 E8M0 scale per block)."""
-    if isinstance(fa, MXFP8) and isinstance(fb, MXFP8):
-        return True
-    return all(isinstance(f, NVFP4) and not (f.local_1x64 or f.rht or f.scaling_2d) for f in (fa, fb))
+    if not (isinstance(fa, Format) and isinstance(fb, Format)) or type(fa) is not type(fb):
+        return False
+    return not any(f.local_1x64 or f.rht or f.scaling_2d for f in (fa, fb))
 
 
 def gemm_route(fa, fb) -> str:
@@ -145,7 +145,7 @@ def _check(a, b, dimension_numbers):
                 f"scaled_dot_general: the block axis {q.axis} of {name} {q!r} must be one of its contracting "
                 f"dimensions {c} (block scales vary along the contraction)"
             )
-    rht = [isinstance(q.fmt, NVFP4) and q.fmt.rht for q in (a, b)]
+    rht = [q.fmt.rht for q in (a, b)]
     if rht[0] != rht[1]:
         raise ValueError(f"scaled_dot_general: RHT operands come in pairs (the transform cancels): {a!r} x {b!r}")
     return ((ca, cb), (tuple(ba), tuple(bb)))
@@ -161,7 +161,7 @@ def _native_ok(a, b, dn) -> bool:
 def _native_operand(q: QuantizedArray):
     """[1, rows, K] data and [1, rows, K/bs] scales with the contracting (block) axis last."""
     q = unswizzle_scales(q)
-    if isinstance(q.fmt, NVFP4):
+    if q.fmt.stores_block_axis_last:
         data, scale = q.data, q.scale  # stored block axis last
     else:
         data, scale = jnp.moveaxis(q.data, q.axis, -1), jnp.moveaxis(q.scale, q.axis, -1)
@@ -207,8 +207,8 @@ def scaled_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, 
         da, sa = _native_operand(a)
         db, sb = _native_operand(b)
         out = jax.nn.scaled_matmul(da, db, sa, sb, preferred_element_type=jnp.float32)[0]
-        ta = tensor_decode_scale(a.amax) if isinstance(a.fmt, NVFP4) else None
-        tb = tensor_decode_scale(b.amax) if isinstance(b.fmt, NVFP4) else None
+        ta = tensor_decode_scale(a.amax) if a.fmt.has_tensor_amax else None
+        tb = tensor_decode_scale(b.amax) if b.fmt.has_tensor_amax else None
     else:
         return exact_dot_general(a, b, dn, preferred_element_type)
     for t in (ta, tb):
