@@ -37,11 +37,13 @@ def _needs_key(fmt) -> bool:
     return isinstance(fmt, Format) and fmt.needs_key
 
 
-def _array(o, prefix, fmt, axis, rep, rows, cols, shape):
-    amax = o[f"{prefix}_amax"] if fmt.has_tensor_amax else None
+def _array(o, prefix, fmt, axis, rep, rows, cols, x):
+    amax = None
+    if fmt.has_tensor_amax:  # NaN stays visible per group (reference.grouped.group_has_nan): one extra pass over x
+        amax = jnp.where(ref.group_has_nan(x, rows, cols), jnp.float32(jnp.nan), o[f"{prefix}_amax"])
     return GroupedQuantizedArray(o[f"{prefix}_data"], o[f"{prefix}_scale"], amax, rows, cols,
                                  ref.group_offsets(rows, cols), fmt=fmt, axis=axis, representation=rep,
-                                 shape=tuple(shape))
+                                 shape=tuple(x.shape))
 
 
 def _given_amax(amax, fmt, n, where, side):
@@ -104,7 +106,7 @@ def grouped_quantize(x, group_sizes, fmt: Format, *, last_dims=None, axis: int =
     o = grouped_quantize_raw(x, rows, cols, words if row else None, None if row else words,
                              row_fmt=fmt if row else None, col_fmt=None if row else fmt, representation=rep,
                              row_amax=given if row else None, col_amax=None if row else given)
-    return _array(o, "row" if row else "col", fmt, axis, rep, rows, cols, x.shape)
+    return _array(o, "row" if row else "col", fmt, axis, rep, rows, cols, x)
 
 
 def grouped_quantize_rowwise_columnwise(x, group_sizes, row_fmt: Format | None, col_fmt: Format | None, *,
@@ -147,8 +149,8 @@ def grouped_quantize_rowwise_columnwise(x, group_sizes, row_fmt: Format | None, 
     o = grouped_quantize_raw(x, rows, cols, *words, row_fmt=row_fmt, col_fmt=col_fmt, representation=rep,
                              dbias=dbias, row_amax=_given_amax(row_amax, row_fmt, n, where, "rowwise"),
                              col_amax=_given_amax(col_amax, col_fmt, n, where, "columnwise"))
-    row = None if row_fmt is None else _array(o, "row", row_fmt, -1, rep, rows, cols, x.shape)
-    col = None if col_fmt is None else _array(o, "col", col_fmt, 0, rep, rows, cols, x.shape)
+    row = None if row_fmt is None else _array(o, "row", row_fmt, -1, rep, rows, cols, x)
+    col = None if col_fmt is None else _array(o, "col", col_fmt, 0, rep, rows, cols, x)
     return row, col, (o["dbias"] if dbias else None)
 
 

@@ -130,3 +130,19 @@ def test_mxfp8_unchanged_by_the_nvfp4_rules():
     assert q.amax is None
     y = np.asarray(jax_fp4.dequantize(q))
     assert np.isnan(y[1, 2]) and np.isnan(y).sum() == 1  # the NaN element's E4M3 NaN code, nothing else
+
+
+def test_nan_reaches_the_grouped_gemm_output():
+    """A NaN in one group's rows of x reaches that group's ragged_dot output (its NVFP4 group amax carries it); the
+    other groups stay finite."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((96, 64)).astype(np.float32)
+    w = rng.standard_normal((3, 64, 32)).astype(np.float32)
+    sizes = jnp.asarray([32, 32, 32], jnp.int32)
+    x[40, 7] = np.nan  # group 1
+    y = np.asarray(jax.jit(lambda x, w: jax_fp4.ragged_dot(x, w, sizes, recipe=recipes.NVFP4()))(x, w))
+    assert np.isnan(y[32:64]).all() and np.isfinite(y[:32]).all() and np.isfinite(y[64:]).all()
+    gq = jax_fp4.grouped_quantize(jnp.asarray(x), sizes, NVFP4())
+    ref = jax_fp4.reference.grouped.grouped_quantize(jnp.asarray(x), NVFP4(), first_dims=sizes)
+    assert np.isnan(np.asarray(gq.amax)).tolist() == [False, True, False]
+    np.testing.assert_array_equal(np.asarray(gq.amax).view(np.uint32), np.asarray(ref.amax).view(np.uint32))

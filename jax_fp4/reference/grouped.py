@@ -138,6 +138,18 @@ def group_offsets(rows, cols) -> jnp.ndarray:
     return _excl_cumsum(jnp.maximum(rows, 0) * jnp.maximum(cols, 0))
 
 
+def group_has_nan(x, rows, cols) -> jnp.ndarray:
+    """bool[N]: group g (elements offsets[g]:offsets[g+1] of the flat buffer x) holds a NaN.
+
+    The per-group form of the single-tensor rule (docs/numerics.md s6): an NVFP4 group's carried amax becomes NaN
+    when its x_g holds one, while its encode keeps the finite amax, so the group dequantizes and multiplies to NaN.
+    """
+    flat = jnp.isnan(jnp.asarray(x).reshape(-1)).astype(I32)
+    counts = jnp.concatenate([jnp.zeros((1,), I32), jnp.cumsum(flat, dtype=I32)])
+    off = jnp.clip(group_offsets(rows, cols), 0, flat.shape[0])
+    return counts[off[1:]] > counts[off[:-1]]
+
+
 def misaligned(rows, cols, axis: int, block: int) -> jnp.ndarray:
     """bool[N]: groups whose block-axis length (cols rowwise, rows columnwise; negative counts as 0) is not a
     multiple of `block` (computed on the device, for traced sizes)."""
@@ -219,6 +231,8 @@ def grouped_quantize(x, fmt: Format, *, first_dims=None, last_dims=None, num_gro
                                            num_groups=num_groups, axis=axis, key=key)
     words = group_key_words(key, n) if fmt.needs_key else None
     data, scale, amax = quantize_groups(x, rows, cols, fmt, axis, words)
+    if amax is not None:  # NaN stays visible per group (group_has_nan); the encode used the finite amax
+        amax = jnp.where(group_has_nan(x, rows, cols), jnp.float32(jnp.nan), amax)
     return GroupedQuantized(data, scale, amax, rows, cols, group_offsets(rows, cols), fmt, axis, rep, tuple(x.shape))
 
 
