@@ -48,8 +48,6 @@ HAS_CUDA_KERNELS: bool = _EXT is not None
 HAS_CPU_KERNELS: bool = _CPU_EXT is not None
 
 _lock = threading.Lock()
-_registered: tuple[str, ...] | None = None
-_cpu_registered: tuple[str, ...] | None = None
 
 
 def extension() -> ModuleType | None:
@@ -62,28 +60,35 @@ def import_error() -> BaseException | None:
     return _IMPORT_ERROR
 
 
+_registered: dict[str, tuple[str, ...]] = {}  # platform -> the targets registered for it
+
+
+def _register(ext: ModuleType | None, platform: str) -> bool:
+    """Register every FFI target of `ext` for `platform` once (thread-safe); False when `ext` did not import."""
+    if ext is None:
+        return False
+    with _lock:
+        if platform not in _registered:
+            regs = ext.registrations()
+            for name, capsule in regs.items():
+                jax.ffi.register_ffi_target(name, capsule, platform=platform)
+            _registered[platform] = tuple(sorted(regs))
+    return True
+
+
 def ensure_registered() -> bool:
     """Register every FFI target of the extension for platform CUDA (idempotent, thread-safe).
 
     Returns:
       True when the extension is present (its targets are registered), False otherwise.
     """
-    global _registered
-    if _EXT is None:
-        return False
-    with _lock:
-        if _registered is None:
-            regs = _EXT.registrations()
-            for name, capsule in regs.items():
-                jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
-            _registered = tuple(sorted(regs))
-    return True
+    return _register(_EXT, "CUDA")
 
 
 def targets() -> tuple[str, ...]:
     """Names of the registered FFI targets (empty without the extension)."""
     ensure_registered()
-    return _registered or ()
+    return _registered.get("CUDA", ())
 
 
 def ensure_cpu_registered() -> bool:
@@ -92,22 +97,13 @@ def ensure_cpu_registered() -> bool:
     Returns:
       True when the CPU extension is present (its targets are registered), False otherwise.
     """
-    global _cpu_registered
-    if _CPU_EXT is None:
-        return False
-    with _lock:
-        if _cpu_registered is None:
-            regs = _CPU_EXT.registrations()
-            for name, capsule in regs.items():
-                jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-            _cpu_registered = tuple(sorted(regs))
-    return True
+    return _register(_CPU_EXT, "cpu")
 
 
 def cpu_targets() -> tuple[str, ...]:
     """Names of the FFI targets registered for the CPU (empty without the CPU extension)."""
     ensure_cpu_registered()
-    return _cpu_registered or ()
+    return _registered.get("cpu", ())
 
 
 _reference_on_cpu = 0  # depth of reference_lowering_on_cpu() contexts
