@@ -6,7 +6,7 @@
 * Tests marked `gpu` run with the primitives lowered to the jnp reference on the CPU device, so their CPU-side
   expectations come from `jax_fp4.reference`, not from the CPU extension's host handlers.
 * The suite runs in parallel worker processes (pytest-xdist, `-n auto` in pyproject.toml): the controller draws the
-  session seed and hands it to every worker, so each test's inputs depend only on the seed and its id, whichever
+  run's seed and hands it to every worker, so each test's inputs depend only on the seed and its id, whichever
   worker runs it. Workers allocate GPU memory on demand (several processes share one GPU).
 """
 
@@ -37,7 +37,7 @@ def pytest_configure(config):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
-    """xdist controller hook: every worker uses the controller's session seed."""
+    """xdist controller hook: every worker uses the controller's seed."""
     node.workerinput["jax_fp4_seed"] = SESSION_SEED
 
 
