@@ -86,31 +86,33 @@ JF4_HD float AbsMax(float acc, float v) {
 // ---- host rounding onto a small binary format (the reference's _f32.encode) ---------------------------------------
 // RNE of fp32 v onto a format with kMbits mantissa bits and exponent bias kBias (gradual underflow), then saturated
 // to the largest finite code kMax (satfinite: overflow and +-inf); NaN -> 0x7F. The sign goes to bit 7.
+// Both ranges are computed and one is selected (no branches, no libm calls, so loops over it vectorise):
+//  * below the smallest normal (|v| < 2^(1 - kBias)): the code is rint(|v| * 2^(kMbits + kBias - 1)) (multiples of
+//    2^(1 - kBias - kMbits)); the product is an exact power-of-two scaling and the sum with 2^23 rounds it once to
+//    nearest even (the default rounding mode), leaving the integer in the low mantissa bits. It may reach the first
+//    normal code 1 << kMbits exactly;
+//  * normal: RNE on the mantissa bits, then the exponent rebiased.
 template <int kMbits, int kBias, uint32_t kMax>
 inline uint32_t SmallFloatRne(float v) {
   const uint32_t b = Bits(v), mag = b & 0x7FFFFFFFu, sign = (b >> 24) & 0x80u;
-  if (mag > 0x7F800000u) return 0x7Fu;
-  if (mag >= 0x7F800000u) return sign | kMax;
-  const int e = int(mag >> 23) - 127;  // exponent of a normal fp32 (fp32 subnormals land in the subnormal branch)
-  uint32_t code;
-  if (e < 1 - kBias) {  // below the smallest normal: multiples of 2^(1 - kBias - kMbits), by exact scaling
-    const float q = std::ldexp(Float(mag), kMbits + kBias - 1);  // exact: a power-of-two scaling upwards
-    code = uint32_t(std::nearbyint(q));                            // RNE (default rounding mode); may reach the
-  } else {                                                         // first normal code 1 << kMbits exactly
-    const uint32_t shift = 23 - kMbits;
-    const uint32_t r = mag + ((1u << (shift - 1)) - 1u) + ((mag >> shift) & 1u);  // RNE on the mantissa bits
-    code = (r >> shift) - (uint32_t(127 - kBias) << kMbits);
-  }
-  return sign | (code > kMax ? kMax : code);
+  const float q = Float(mag) * Float(uint32_t(127 + kMbits + kBias - 1) << 23);
+  const uint32_t sub = Bits(q + 8388608.0f) - 0x4B000000u;  // 8388608 = 2^23
+  constexpr uint32_t shift = 23 - kMbits;
+  const uint32_t r = mag + ((1u << (shift - 1)) - 1u) + ((mag >> shift) & 1u);
+  const uint32_t normal = (r >> shift) - (uint32_t(127 - kBias) << kMbits);
+  uint32_t code = mag < (uint32_t(128 - kBias) << 23) ? sub : normal;  // exponent below 1 - kBias
+  code = (code > kMax || mag >= 0x7F800000u) ? kMax : code;
+  return mag > 0x7F800000u ? 0x7Fu : (sign | code);
 }
 
-// Exact value of a code of such a format (finite codes only).
+// Exact value of a code of such a format (finite codes only): normal codes as fp32 bits, subnormal ones as
+// m * 2^(1 - kBias - kMbits) (an exact product: a small integer times a normal power of two).
 template <int kMbits, int kBias>
 inline float SmallFloatValue(uint32_t code) {
   const uint32_t e = (code >> kMbits) & ((0x7Fu) >> kMbits), m = code & ((1u << kMbits) - 1u);
-  const float mag = e ? std::ldexp(float((1u << kMbits) | m), int(e) - kBias - kMbits)
-                      : std::ldexp(float(m), 1 - kBias - kMbits);
-  return (code & 0x80u) ? -mag : mag;
+  const float normal = Float(((e + uint32_t(127 - kBias)) << 23) | (m << (23 - kMbits)));
+  const float sub = float(m) * Float(uint32_t(128 - kBias - kMbits) << 23);
+  return Float(Bits(e ? normal : sub) | ((code & 0x80u) << 24));
 }
 
 // bfloat16 bits of v, RNE, NaN -> 0x7FC0 (the reference's canonical NaN).

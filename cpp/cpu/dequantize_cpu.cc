@@ -31,17 +31,14 @@ constexpr int64_t kMinWork = 1 << 18;  // elements per extra thread
 int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // float16 bits of v, RNE with gradual underflow, overflow to inf, NaN -> 0x7E00 (the reference's canonical NaN).
+// Below 2^-14 the code is rint(|v| * 2^24) (multiples of 2^-24; may round up to 0x400): an exact scaling, rounded
+// once to nearest even by the sum with 2^23 (cvt::SmallFloatRne's form; both ranges computed, one selected).
 uint32_t F16Rne(float v) {
   const uint32_t b = cvt::Bits(v), mag = b & 0x7FFFFFFFu, sign = (b >> 16) & 0x8000u;
-  if (mag > 0x7F800000u) return 0x7E00u;
-  uint32_t code;
-  if (mag < 0x38800000u) {  // below 2^-14: multiples of 2^-24, by exact scaling (may round up to 0x400)
-    code = uint32_t(std::nearbyint(std::ldexp(cvt::Float(mag), 24)));
-  } else {
-    code = ((mag + 0xFFFu + ((mag >> 13) & 1u)) >> 13) - (112u << 10);
-    if (code > 0x7C00u) code = 0x7C00u;
-  }
-  return sign | code;
+  const uint32_t sub = cvt::Bits(cvt::Float(mag) * 16777216.0f + 8388608.0f) - 0x4B000000u;
+  const uint32_t normal = ((mag + 0xFFFu + ((mag >> 13) & 1u)) >> 13) - (112u << 10);
+  const uint32_t code = mag < 0x38800000u ? sub : (normal > 0x7C00u ? 0x7C00u : normal);
+  return mag > 0x7F800000u ? 0x7E00u : (sign | code);
 }
 
 // The output element of fp32 v: float32 with canonical NaN, bfloat16 / float16 RNE with canonical NaN.
