@@ -26,6 +26,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_swizzle);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_unswizzle);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_grouped_quantize);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_grouped_dequantize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_gemm);
 
 namespace {
 
@@ -62,6 +63,7 @@ NB_MODULE(_jax_fp4_cuda, m) {
         d["jf4_unswizzle"] = EncapsulateFfiHandler(jf4_unswizzle);
         d["jf4_grouped_quantize"] = EncapsulateFfiHandler(jf4_grouped_quantize);
         d["jf4_grouped_dequantize"] = EncapsulateFfiHandler(jf4_grouped_dequantize);
+        d["jf4_gemm"] = EncapsulateFfiHandler(jf4_gemm);
         return d;
       },
       "Return {target_name: PyCapsule} for every FFI handler in this extension.");

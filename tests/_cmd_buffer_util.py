@@ -43,9 +43,12 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def assert_command_buffer_runs(make_args, workload, seed: int, custom_calls: tuple[str, ...], runs: int = 3):
+def assert_command_buffer_runs(make_args, workload, seed: int, custom_calls: tuple[str, ...], runs: int = 3,
+                               expected: str | None = None):
     """jit(workload)(make_args(seed)) `runs` times on the GPU in a subprocess with XLA command buffers capturing the
-    custom calls (CMD_BUFFER_FLAGS added to XLA_FLAGS); each run's bits must equal the CPU reference's.
+    custom calls (CMD_BUFFER_FLAGS added to XLA_FLAGS); each run's bits must equal the CPU reference's, or
+    `expected` (a `bits_hash`, e.g. of the same workload run on the GPU without command buffers, for targets with
+    no CPU lowering).
 
     make_args / workload: module-level functions of an importable module under tests/ (the subprocess imports them by
     name); the lowering must hold a custom call to each of `custom_calls`. xfails when this jaxlib rejects the flags.
@@ -66,6 +69,7 @@ def assert_command_buffer_runs(make_args, workload, seed: int, custom_calls: tup
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("HASHES")]
     assert lines, res.stdout + res.stderr[-4000:]
     hashes = lines[-1].split()[1:]
-    cpu = jax.devices("cpu")[0]
-    want = bits_hash(jax.device_get(jax.jit(workload)(jax.device_put(make_args(seed), cpu))))
-    assert hashes == [want] * runs, f"command-buffer runs {hashes} vs CPU reference {want}"
+    if expected is None:
+        cpu = jax.devices("cpu")[0]
+        expected = bits_hash(jax.device_get(jax.jit(workload)(jax.device_put(make_args(seed), cpu))))
+    assert hashes == [expected] * runs, f"command-buffer runs {hashes} vs {expected}"

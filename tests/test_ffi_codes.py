@@ -28,6 +28,7 @@ ENUMS = {
     ("quantize", "Flag"): ffi_codes.QuantizeFlag,
     ("dequantize", "Flag"): ffi_codes.DequantizeFlag,
     ("grouped_dequantize", "Flag"): ffi_codes.GroupedDequantizeFlag,
+    ("gemm", "Flag"): ffi_codes.GemmFlag,
 }
 #: C++ constexpr int -> the Python constant.
 CONSTANTS = {("quantize", "kColShift"): ffi_codes.COL_SHIFT, ("quantize", "kOptionMask"): ffi_codes.OPTION_MASK}

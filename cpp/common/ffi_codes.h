@@ -30,5 +30,11 @@ namespace grouped_dequantize {
 enum Flag : int { kColumnwise = 1, kRht = 2, kRaw = 4 };
 }  // namespace grouped_dequantize
 
+// jf4_gemm flags: which operands carry NVFP4 1x64 window scales (1x64 pairs only with 1x64), and whether the
+// epilogue writes max |out| to the out_amax result.
+namespace gemm {
+enum Flag : int { kALocal1x64 = 1, kBLocal1x64 = 2, kEmitAmax = 4 };
+}  // namespace gemm
+
 }  // namespace codes
 }  // namespace jax_fp4

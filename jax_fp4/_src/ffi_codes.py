@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["COL_SHIFT", "OPTION_MASK", "DequantizeFlag", "GroupedDequantizeFlag", "Kind", "QuantizeFlag",
+__all__ = ["COL_SHIFT", "OPTION_MASK", "DequantizeFlag", "GemmFlag", "GroupedDequantizeFlag", "Kind", "QuantizeFlag",
            "QuantizeOption", "kind", "quantize_options"]
 
 
@@ -61,6 +61,15 @@ class GroupedDequantizeFlag(enum.IntFlag):
     COLUMNWISE = 1
     RHT = 2
     RAW = 4
+
+
+class GemmFlag(enum.IntFlag):
+    """jf4_gemm flags; C++ `codes::gemm::Flag`: the operands with NVFP4 1x64 window scales (they pair only with each
+    other) and EMIT_AMAX (the epilogue writes max |out|, NaN if any output is NaN, to its out_amax result)."""
+
+    A_LOCAL_1X64 = 1
+    B_LOCAL_1X64 = 2
+    EMIT_AMAX = 4
 
 
 def kind(fmt) -> int:

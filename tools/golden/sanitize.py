@@ -72,5 +72,35 @@ outs += [
     jax_fp4.unswizzle_scales(q_nv).scale,
     jax_fp4.unswizzle_scales(jax_fp4.swizzle_scales(jax_fp4.quantize(x, N()))).scale,
 ]
+
+
+def _gemm(qa, qb, out_dtype, bias):
+    """jf4_gemm called directly (Hopper only): out = qa . qb^T + bias with the output amax."""
+    from jax_fp4._src.ffi_codes import GemmFlag, Kind
+
+    ops = []
+    for q in (qa, qb):
+        aux = q.window_amax if q.fmt.local_1x64 else (q.amax if q.amax is not None else jnp.zeros((0,), jnp.float32))
+        ops += [q.data, q.scale, aux]
+    kinds = [int(Kind.NVFP4) if isinstance(q.fmt, N) else int(Kind.MXFP8_E5M2 if q.fmt.element == "e5m2"
+                                                               else Kind.MXFP8_E4M3) for q in (qa, qb)]
+    flags = GemmFlag.EMIT_AMAX | (GemmFlag.A_LOCAL_1X64 | GemmFlag.B_LOCAL_1X64 if qa.fmt.local_1x64 else 0)
+    shapes = (jax.ShapeDtypeStruct((qa.shape[0], qb.shape[0]), out_dtype), jax.ShapeDtypeStruct((), jnp.float32))
+    return jax.ffi.ffi_call("jf4_gemm", shapes)(*ops, bias, a_kind=np.int32(kinds[0]), b_kind=np.int32(kinds[1]),
+                                                flags=np.int32(int(flags)))
+
+
+if str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9."):
+    # edge tiles in M and N (200 % 128, 136 % 128), a partial K-tile (K = 160), several K-tiles, bias, both outputs,
+    # mixed formats, and 1x64 windows
+    xa, xb = x[:200, :160], x[64:200, :160]
+    nobias = jnp.zeros((0,), jnp.float32)
+    outs += [
+        _gemm(jax_fp4.quantize(xa, N()), jax_fp4.quantize(xb, N()), jnp.bfloat16, jnp.ones((136,), jnp.float32)),
+        _gemm(jax_fp4.quantize(xa, M()), jax_fp4.quantize(xb, M(element="e5m2")), jnp.float32, nobias),
+        _gemm(jax_fp4.quantize(xa, N()), jax_fp4.quantize(xb, M()), jnp.bfloat16, nobias),
+        _gemm(jax_fp4.quantize(x[:256], N(local_1x64=True)), jax_fp4.quantize(x[64:256], N(local_1x64=True)),
+              jnp.float32, nobias),
+    ]
 jax.block_until_ready(outs)
 print("sanitize workload done")

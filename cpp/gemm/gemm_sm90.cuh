@@ -1,0 +1,357 @@
+// Block-scaled GEMM for Hopper (sm_90a): out[m, n] = ta * tb * sum_w fa[m, w] fb[n, w] sum_{k in w} va[m, k] vb[n, k]
+// + bias[n] (docs/kernels/gemm.md, docs/numerics.md section 7). Both operands are K-major ("TN"): packed E2M1 codes
+// with E4M3 1x16 block scales (NVFP4) or E4M3 / E5M2 codes with E8M0 1x32 block scales (MXFP8), compact scales.
+//
+// One CTA computes a 128 x 128 tile of the output with two warpgroups (256 threads), each a 64 x 128 slice, on CuTe's
+// SM90 WGMMA atom (bf16 x bf16 -> fp32, both operands from 128-byte-swizzled shared memory). K runs in 64-wide tiles:
+//  * every thread decodes half a row (32 codes) of A's and of B's next K-tile, value(code) * block scale, into exact
+//    bfloat16 (<= 6 significant bits for NVFP4: always exact; MXFP8 rounds as the emulation's dequantize does,
+//    RN_bf16(RN_f32(value * 2^(e-127)))), and stores it into the other of two shared-memory stages while the
+//    tile's WGMMAs run asynchronously;
+//  * the codes of the K-tile after that are already in flight in registers (loaded one iteration ahead);
+//  * NVFP4 1x64: the K-tile is one window; its WGMMAs accumulate into a zeroed temporary fragment, promoted into the
+//    accumulator as acc += (tmp * fa[m]) * fb[n] (fa = RN(1 / S_enc,w) of row m's window, from the window amax);
+//  * the epilogue multiplies by ta then tb (NVFP4 tensor scales amax * fp32(1/2688), 1 otherwise), adds the bias,
+//    casts (RNE, canonical NaN) and stores with bounds checks; with kEmitAmax it folds max |out| (NaN if any output
+//    is NaN) into out_amax with a warp reduction and an atomicMax on the float bits (zeroed on the stream first).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "common/convert.cuh"
+#include "common/ffi_codes.h"
+#include "dequantize/decode.cuh"
+#include "dequantize/half_table.cuh"
+
+namespace jax_fp4 {
+namespace gemm {
+
+constexpr int kBM = 128, kBN = 128, kBK = 64, kStages = 2, kThreads = 256;
+
+// Kernel arguments. Row strides in bytes follow from K: NVFP4 codes K / 2, MXFP8 codes K; scales K / 16 or K / 32.
+struct Params {
+  const uint8_t* a;         // [M, K] codes
+  const uint8_t* a_scale;   // [M, K / bs] compact block scales
+  const float* a_aux;       // NVFP4 tensor amax [] (a_tensor), NVFP4 1x64 window amax [M, K / 64], else unused
+  const uint8_t* b;         // [N, K]
+  const uint8_t* b_scale;   // [N, K / bs]
+  const float* b_aux;
+  const float* bias;        // [N] or nullptr
+  void* out;                // [M, N] bfloat16 or float32
+  unsigned* out_amax;       // float bits of max |out|, or nullptr
+  int64_t M, N, K;
+  int a_e5m2, b_e5m2;       // MXFP8 element (E5M2 if set, else E4M3)
+  int a_tensor, b_tensor;   // NVFP4 operand with a tensor amax
+  int out_f32;              // float32 output (else bfloat16)
+};
+
+// The codes (and scales) of one thread's half row of a K-tile: 32 codes from k0 = kt * 64 + 32 * half.
+struct Fp4Regs {
+  uint2 d[2];     // two 16-code blocks (8 bytes each)
+  uint32_t s[2];  // their E4M3 block scales
+  float w;        // window amax (1x64)
+};
+struct Fp8Regs {
+  uint4 d[2];  // one 32-code block
+  uint32_t s;  // its E8M0 block scale
+};
+
+// Loads with a bounds check on the row and on K (whole blocks: K is a multiple of the block size, so each block is
+// either inside or outside). Rows / blocks outside read as zero codes with zero scale codes: decoded, exact zeros.
+template <bool kLocal>
+__device__ __forceinline__ void LoadFp4(Fp4Regs& r, const uint8_t* data, const uint8_t* scale, const float* aux,
+                                        int64_t row, int64_t rows, int64_t K, int64_t kt, int half) {
+  const bool in = row < rows;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int64_t k = kt * kBK + 32 * half + 16 * j;
+    if (in && k < K) {
+      r.d[j] = __ldg(reinterpret_cast<const uint2*>(data + row * (K / 2) + k / 2));
+      r.s[j] = __ldg(scale + row * (K / 16) + k / 16);
+    } else {
+      r.d[j] = make_uint2(0u, 0u);
+      r.s[j] = 0u;
+    }
+  }
+  if constexpr (kLocal) r.w = in ? __ldg(aux + row * (K / 64) + kt) : 0.0f;
+}
+
+__device__ __forceinline__ void LoadFp8(Fp8Regs& r, const uint8_t* data, const uint8_t* scale, int64_t row,
+                                        int64_t rows, int64_t K, int64_t kt, int half) {
+  const int64_t k = kt * kBK + 32 * half;
+  if (row < rows && k < K) {
+    const uint4* p = reinterpret_cast<const uint4*>(data + row * K + k);
+    r.d[0] = __ldg(p);
+    r.d[1] = __ldg(p + 1);
+    r.s = __ldg(scale + row * (K / 32) + k / 32);
+  } else {
+    r.d[0] = r.d[1] = make_uint4(0u, 0u, 0u, 0u);
+    r.s = 0u;
+  }
+}
+
+// The 1x64 decode factor RN(1 / S_enc,w) of a window with amax A: S_enc,w = min(2688 / max(A, 1e-12), FLT_MAX),
+// 1 for A == 0 (docs/numerics.md section 1, the reference's quantize_1x64 / dequantize), both divisions IEEE.
+__device__ __forceinline__ float WindowFactor(float amax) {
+  if (amax == 0.0f) return 1.0f;
+  const float s = fminf(__fdiv_rn(2688.0f, fmaxf(amax, cvt::kWindowFloor())), 3.402823466e38f);
+  return __fdiv_rn(1.0f, s);
+}
+
+// Shared-memory tile layouts: K-major, 128-byte swizzle (the WGMMA descriptor's SW128 K-major mode), two stages.
+using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<cute::bfloat16_t>;
+using SmemLayoutA = decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kBM>{}, cute::Int<kBK>{},
+                                                                               cute::Int<kStages>{})));
+using SmemLayoutB = decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kBN>{}, cute::Int<kBK>{},
+                                                                               cute::Int<kStages>{})));
+
+struct alignas(1024) SharedStorage {
+  cute::array_aligned<cute::bfloat16_t, cute::cosize_v<SmemLayoutA>, 1024> a;
+  cute::array_aligned<cute::bfloat16_t, cute::cosize_v<SmemLayoutB>, 1024> b;
+  float fa[kStages][kBM];  // 1x64 window decode factors of the stage's rows
+  float fb[kStages][kBN];
+};
+
+// Stores 8 bf16 values (16 bytes) at row `r`, columns 8c .. 8c + 7 of stage `st` of the swizzled tile `s` (the
+// CuTe tensor computes the swizzled address; st.shared, as a generic store would check the address space per access).
+template <typename STensor>
+__device__ __forceinline__ void Store8(STensor& s, int r, int c, int st, uint4 v) {
+  const uint32_t addr = uint32_t(__cvta_generic_to_shared(&s(r, 8 * c, st)));
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// Decodes one thread's 32 NVFP4 codes (two 16-blocks) into chunks 4 * half .. 4 * half + 3 of row r: the block's
+// 8 magnitudes times s_b round once into a byte table (value(q) * s_b has <= 6 significant bits: exact in bf16).
+template <typename STensor>
+__device__ __forceinline__ void DecodeFp4(const Fp4Regs& r, STensor& s, int row, int half, int st) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const dequantize::HalfTable tab =
+        dequantize::MakeHalfTable<__nv_bfloat16>(dequantize::Fp8Value<codes::kMxfp8E4m3>(r.s[j]));
+    Store8(s, row, 4 * half + 2 * j, st, dequantize::TableRun8(tab, r.d[j].x));
+    Store8(s, row, 4 * half + 2 * j + 1, st, dequantize::TableRun8(tab, r.d[j].y));
+  }
+}
+
+// Decodes one thread's 32 MXFP8 codes: RN_bf16(value * 2^(e-127)), the product in fp32 (exact unless it leaves
+// fp32's normal range, then rounded once as the emulation's dequantize does).
+template <__nv_fp8_interpretation_t kElem, typename STensor>
+__device__ __forceinline__ void DecodeFp8(const Fp8Regs& r, STensor& s, int row, int half, int st) {
+  const float sc = dequantize::E8M0Value(r.s);
+  const uint32_t w[8] = {r.d[0].x, r.d[0].y, r.d[0].z, r.d[0].w, r.d[1].x, r.d[1].y, r.d[1].z, r.d[1].w};
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    uint32_t o[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t word = w[2 * c + i / 2];
+      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+          static_cast<__nv_fp8x2_storage_t>((i & 1) ? (word >> 16) : (word & 0xFFFFu)), kElem);
+      const float2 f = __half22float2(__half2(h));
+      const __nv_bfloat162 b = __floats2bfloat162_rn(__fmul_rn(f.x, sc), __fmul_rn(f.y, sc));
+      o[i] = *reinterpret_cast<const uint32_t*>(&b);
+    }
+    Store8(s, row, 4 * half + c, st, make_uint4(o[0], o[1], o[2], o[3]));
+  }
+}
+
+template <bool kFp4>
+struct OperandRegs;
+template <>
+struct OperandRegs<true> { using type = Fp4Regs; };
+template <>
+struct OperandRegs<false> { using type = Fp8Regs; };
+
+template <bool kFp4, bool kLocal>
+__device__ __forceinline__ void Load(typename OperandRegs<kFp4>::type& r, const uint8_t* data, const uint8_t* scale,
+                                     const float* aux, int64_t row, int64_t rows, int64_t K, int64_t kt, int half) {
+  if constexpr (kFp4) {
+    LoadFp4<kLocal>(r, data, scale, aux, row, rows, K, kt, half);
+  } else {
+    LoadFp8(r, data, scale, row, rows, K, kt, half);
+  }
+}
+
+template <bool kFp4, bool kLocal, typename STensor>
+__device__ __forceinline__ void Decode(const typename OperandRegs<kFp4>::type& r, STensor& s, float* factors, int row,
+                                       int half, int st, int e5m2) {
+  if constexpr (kFp4) {
+    DecodeFp4(r, s, row, half, st);
+    if constexpr (kLocal) {
+      if (half == 0) factors[row] = WindowFactor(r.w);
+    }
+  } else if (e5m2) {
+    DecodeFp8<__NV_E5M2>(r, s, row, half, st);
+  } else {
+    DecodeFp8<__NV_E4M3>(r, s, row, half, st);
+  }
+}
+
+using TiledMma = decltype(cute::make_tiled_mma(
+    cute::SM90_64x128x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>{},
+    cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+
+// Output tile order: groups of kGroupM tile rows walked column by column, so neighbouring CTAs share A and B tiles
+// in L2.
+constexpr int kGroupM = 8;
+
+template <bool kFp4A, bool kFp4B, bool kLocal>
+__global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
+#if defined(__CUDA_ARCH__) && defined(CUTE_ARCH_MMA_SM90A_ENABLED)
+  using namespace cute;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+  Tensor sA = make_tensor(make_smem_ptr(smem.a.data()), SmemLayoutA{});  // (BM, BK, stage)
+  Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), SmemLayoutB{});  // (BN, BK, stage)
+
+  // Tile coordinates (grouped order).
+  const int64_t tiles_m = (p.M + kBM - 1) / kBM, tiles_n = (p.N + kBN - 1) / kBN;
+  const int64_t tile = blockIdx.x, per_group = int64_t(kGroupM) * tiles_n;
+  const int64_t group = tile / per_group, first_m = group * kGroupM;
+  const int64_t group_m = min(tiles_m - first_m, int64_t(kGroupM));
+  const int64_t tm = first_m + (tile % per_group) % group_m, tn = (tile % per_group) / group_m;
+  const int64_t m0 = tm * kBM, n0 = tn * kBN;
+
+  const int tid = threadIdx.x;
+  const int drow = tid >> 1, dhalf = tid & 1;  // the half row this thread decodes (of A's and of B's tile)
+  const uint8_t* a_data = p.a;
+  const uint8_t* b_data = p.b;
+  const int64_t KT = (p.K + kBK - 1) / kBK;
+
+  TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tid);
+  Tensor tCsA = thr_mma.partition_A(sA);           // (MMA, MMA_M, MMA_K, stage)
+  Tensor tCsB = thr_mma.partition_B(sB);           // (MMA, MMA_N, MMA_K, stage)
+  Tensor tCrA = thr_mma.make_fragment_A(tCsA);     // smem descriptors
+  Tensor tCrB = thr_mma.make_fragment_B(tCsB);
+  Tensor acc = partition_fragment_C(tiled_mma, Shape<Int<kBM>, Int<kBN>>{});  // (MMA, MMA_M, MMA_N) fp32
+  Tensor cC = make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{});
+  Tensor tCcC = thr_mma.partition_C(cC);           // the (m, n) of each accumulator element, tile-relative
+  clear(acc);
+  [[maybe_unused]] auto tmp = make_fragment_like(acc);
+
+  using RegsA = typename OperandRegs<kFp4A>::type;
+  using RegsB = typename OperandRegs<kFp4B>::type;
+  RegsA ra;
+  RegsB rb;
+  if (KT > 0) {
+    Load<kFp4A, kLocal>(ra, a_data, p.a_scale, p.a_aux, m0 + drow, p.M, p.K, 0, dhalf);
+    Load<kFp4B, kLocal>(rb, b_data, p.b_scale, p.b_aux, n0 + drow, p.N, p.K, 0, dhalf);
+    Decode<kFp4A, kLocal>(ra, sA, smem.fa[0], drow, dhalf, 0, p.a_e5m2);
+    Decode<kFp4B, kLocal>(rb, sB, smem.fb[0], drow, dhalf, 0, p.b_e5m2);
+    if (KT > 1) {
+      Load<kFp4A, kLocal>(ra, a_data, p.a_scale, p.a_aux, m0 + drow, p.M, p.K, 1, dhalf);
+      Load<kFp4B, kLocal>(rb, b_data, p.b_scale, p.b_aux, n0 + drow, p.N, p.K, 1, dhalf);
+    }
+    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> visible to the WGMMA (async proxy) reads
+    __syncthreads();
+  }
+
+  for (int64_t kt = 0; kt < KT; ++kt) {
+    const int st = int(kt & 1);
+    // The WGMMAs of K-tile kt, asynchronous.
+    if constexpr (kLocal) {
+      warpgroup_fence_operand(tmp);
+      warpgroup_arrive();
+      tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+        cute::gemm(tiled_mma, tCrA(_, _, kb, st), tCrB(_, _, kb, st), tmp);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+    } else {
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+      tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tCrA); ++kb) cute::gemm(tiled_mma, tCrA(_, _, kb, st), tCrB(_, _, kb, st), acc);
+      warpgroup_commit_batch();
+    }
+    // Meanwhile: decode K-tile kt + 1 (in registers) into the other stage, whose last reader (the WGMMAs of tile
+    // kt - 1) completed before the barrier ending the previous iteration; then load tile kt + 2's codes.
+    if (kt + 1 < KT) {
+      Decode<kFp4A, kLocal>(ra, sA, smem.fa[st ^ 1], drow, dhalf, st ^ 1, p.a_e5m2);
+      Decode<kFp4B, kLocal>(rb, sB, smem.fb[st ^ 1], drow, dhalf, st ^ 1, p.b_e5m2);
+      if (kt + 2 < KT) {
+        Load<kFp4A, kLocal>(ra, a_data, p.a_scale, p.a_aux, m0 + drow, p.M, p.K, kt + 2, dhalf);
+        Load<kFp4B, kLocal>(rb, b_data, p.b_scale, p.b_aux, n0 + drow, p.N, p.K, kt + 2, dhalf);
+      }
+      cutlass::arch::fence_view_async_shared();
+    }
+    warpgroup_wait<0>();
+    if constexpr (kLocal) {
+      warpgroup_fence_operand(tmp);
+      // Promotion of the window's partial sums: acc += (tmp * fa[m]) * fb[n].
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc); ++i) {
+        const int m = get<0>(tCcC(i)), n = get<1>(tCcC(i));
+        acc(i) = __fadd_rn(acc(i), __fmul_rn(__fmul_rn(tmp(i), smem.fa[st][m]), smem.fb[st][n]));
+      }
+    } else {
+      warpgroup_fence_operand(acc);
+    }
+    __syncthreads();  // stage st is free for tile kt + 2; stage st ^ 1 (and its factors) is complete
+  }
+
+  // Epilogue: * ta, * tb, + bias, cast, bounds-checked store, amax.
+  const float ta = p.a_tensor ? __fmul_rn(__ldg(p.a_aux), cvt::kInv2688()) : 1.0f;
+  const float tb = p.b_tensor ? __fmul_rn(__ldg(p.b_aux), cvt::kInv2688()) : 1.0f;
+  unsigned amax_bits = 0u;  // max of the bits of |out| (non-negative floats order as their bits; NaNs above inf)
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); i += 2) {
+    // Elements i and i + 1 of the SM90 accumulator are columns n, n + 1 of one row (checked statically below).
+    const int64_t m = m0 + get<0>(tCcC(i)), n = n0 + get<1>(tCcC(i));
+    static_assert(decltype(size(acc))::value % 2 == 0, "accumulator pairs");
+    if (m >= p.M || n >= p.N) continue;
+    const bool pair = n + 1 < p.N;
+    float v[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      v[j] = __fmul_rn(__fmul_rn(acc(i + j), ta), tb);
+      if (p.bias != nullptr && (j == 0 || pair)) v[j] = __fadd_rn(v[j], __ldg(p.bias + n + j));
+    }
+    if (p.out_f32) {
+      float* o = static_cast<float*>(p.out) + m * p.N + n;
+      const uint32_t b0 = dequantize::OutBits<float>(v[0]), b1 = dequantize::OutBits<float>(v[1]);
+      if (pair && (p.N % 2 == 0)) {
+        *reinterpret_cast<uint2*>(o) = make_uint2(b0, b1);
+      } else {
+        o[0] = __uint_as_float(b0);
+        if (pair) o[1] = __uint_as_float(b1);
+      }
+      amax_bits = max(amax_bits, b0 & 0x7FFFFFFFu);
+      if (pair) amax_bits = max(amax_bits, b1 & 0x7FFFFFFFu);
+    } else {
+      uint16_t* o = static_cast<uint16_t*>(p.out) + m * p.N + n;
+      const uint32_t b0 = dequantize::OutBits<__nv_bfloat16>(v[0]), b1 = dequantize::OutBits<__nv_bfloat16>(v[1]);
+      if (pair && (p.N % 2 == 0)) {
+        *reinterpret_cast<uint32_t*>(o) = b0 | (b1 << 16);
+      } else {
+        o[0] = uint16_t(b0);
+        if (pair) o[1] = uint16_t(b1);
+      }
+      amax_bits = max(amax_bits, (b0 << 16) & 0x7FFFFFFFu);
+      if (pair) amax_bits = max(amax_bits, (b1 << 16) & 0x7FFFFFFFu);
+    }
+  }
+  if (p.out_amax != nullptr) {
+    amax_bits = __reduce_max_sync(0xFFFFFFFFu, amax_bits);
+    if ((tid & 31) == 0 && amax_bits != 0u) atomicMax(p.out_amax, amax_bits > 0x7F800000u ? 0x7FC00000u : amax_bits);
+  }
+#endif
+}
+
+}  // namespace gemm
+}  // namespace jax_fp4
