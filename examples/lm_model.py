@@ -200,9 +200,20 @@ class GPT(nnx.Module):
         self.norm = nnx.LayerNorm(cfg.d_model, epsilon=1e-6, dtype=dtype, rngs=rngs)
         self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, dtype=dtype, rngs=rngs)
 
+    def embed_tokens(self, tokens):
+        """bfloat16 [B, T, d_model]: the embedding rows of tokens, as one_hot(tokens) @ embedding.
+
+        The same values as `self.embed(tokens)` (one nonzero product per output, exact), but the embedding's
+        gradient becomes a [vocab, B*T] x [B*T, d_model] GEMM instead of the scatter-add of a gather, whose atomic
+        adds serialise on the few byte values text repeats (spaces, 'e', newlines): on an H100 at 32k tokens a step
+        that scatter cost more than the rest of the step's kernels. Byte vocabularies (256) keep the one-hot small.
+        """
+        e = self.embed
+        return jax.nn.one_hot(tokens, self.cfg.vocab, dtype=e.dtype) @ e.embedding[...].astype(e.dtype)
+
     def __call__(self, tokens, *, return_aux_loss: bool = False):
         """logits; with return_aux_loss also the blocks' mean MoE load-balancing loss (0 without MoE)."""
-        x = self.embed(tokens)
+        x = self.embed_tokens(tokens)
         if self.cfg.scan_layers:
             x, aux = _scan_blocks(x, self.blocks)
         else:
