@@ -2,12 +2,13 @@
 // + bias[n] (docs/kernels/gemm.md, docs/numerics.md section 7). Both operands are K-major ("TN"): packed E2M1 codes
 // with E4M3 1x16 block scales (NVFP4) or E4M3 / E5M2 codes with E8M0 1x32 block scales (MXFP8), compact scales.
 //
-// One CTA computes a 128 x 128 tile of the output with two warpgroups (256 threads), each a 64 x 128 slice, on CuTe's
-// SM90 WGMMA atom (bf16 x bf16 -> fp32, both operands from 128-byte-swizzled shared memory). K runs in 64-wide tiles:
-//  * every thread decodes half a row (32 codes) of A's and of B's next K-tile, value(code) * block scale, into exact
+// One CTA computes a 128 x 256 tile of the output (NVFP4 1x64: 128 x 128) with two warpgroups (256 threads), each a
+// 64-row slice, on CuTe's SM90 WGMMA atom (bf16 x bf16 -> fp32, both operands from 128-byte-swizzled shared memory).
+// K runs in 64-wide K-tiles (Config: tile sizes, stages):
+//  * every thread decodes half rows (32 codes) of A's and B's next K-tile, value(code) * block scale, into exact
 //    bfloat16 (<= 6 significant bits for NVFP4: always exact; MXFP8 rounds as the emulation's dequantize does,
-//    RN_bf16(RN_f32(value * 2^(e-127)))), and stores it into the other of two shared-memory stages while the
-//    tile's WGMMAs run asynchronously;
+//    RN_bf16(RN_f32(value * 2^(e-127)))), and stores them into that K-tile's shared-memory stage while the current
+//    tile's WGMMAs run asynchronously (one batch stays in flight across the barrier, three stages);
 //  * the codes of the K-tile after that are already in flight in registers (loaded one iteration ahead);
 //  * NVFP4 1x64: the K-tile is one window; its WGMMAs accumulate into a zeroed temporary fragment, promoted into the
 //    accumulator as acc += (tmp * fa[m]) * fb[n] (fa = RN(1 / S_enc,w) of row m's window, from the window amax);
@@ -21,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
@@ -36,7 +38,7 @@
 namespace jax_fp4 {
 namespace gemm {
 
-constexpr int kBM = 128, kBN = 128, kBK = 64, kStages = 2, kThreads = 256;
+constexpr int kBM = 128, kBK = 64, kThreads = 256;
 
 // Kernel arguments. Row strides in bytes follow from K: NVFP4 codes K / 2, MXFP8 codes K; scales K / 16 or K / 32.
 struct Params {
@@ -108,18 +110,34 @@ __device__ __forceinline__ float WindowFactor(float amax) {
   return __fdiv_rn(1.0f, s);
 }
 
-// Shared-memory tile layouts: K-major, 128-byte swizzle (the WGMMA descriptor's SW128 K-major mode), two stages.
+// Shared-memory tile layouts: K-major, 128-byte swizzle (the WGMMA descriptor's SW128 K-major mode).
 using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<cute::bfloat16_t>;
-using SmemLayoutA = decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kBM>{}, cute::Int<kBK>{},
-                                                                               cute::Int<kStages>{})));
-using SmemLayoutB = decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kBN>{}, cute::Int<kBK>{},
-                                                                               cute::Int<kStages>{})));
+template <int kRows, int kStages>
+using SmemLayout = decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kRows>{}, cute::Int<kBK>{},
+                                                                              cute::Int<kStages>{})));
 
-struct alignas(1024) SharedStorage {
-  cute::array_aligned<cute::bfloat16_t, cute::cosize_v<SmemLayoutA>, 1024> a;
-  cute::array_aligned<cute::bfloat16_t, cute::cosize_v<SmemLayoutB>, 1024> b;
-  float fa[kStages][kBM];  // 1x64 window decode factors of the stage's rows
-  float fb[kStages][kBN];
+// The tile configuration. Plain products: 128 x 256 tiles (each warpgroup 64 x 256, 128 accumulators a thread),
+// three stages, the WGMMAs of one K-tile left in flight across the barrier (warpgroup_wait<1>), so the tensor cores
+// never drain between K-tiles. 1x64: 128 x 128 tiles and two stages, since every K-tile's partial sums must be
+// complete (warpgroup_wait<0>) before they are promoted, and the temporary fragment doubles the accumulators.
+template <bool kLocal>
+struct Config {
+  static constexpr int kBN = kLocal ? 128 : 256;
+  static constexpr int kStages = kLocal ? 2 : 3;
+  static constexpr int kInFlight = kStages - 2;  // WGMMA batches left outstanding at the end of an iteration
+  static constexpr int kBHalfRows = kBN / 128;   // half rows of B a thread decodes per K-tile
+  using LayoutA = SmemLayout<kBM, kStages>;
+  using LayoutB = SmemLayout<kBN, kStages>;
+  using Atom = std::conditional_t<kLocal,
+                                  cute::SM90_64x128x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>,
+                                  cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>>;
+  using TiledMma = decltype(cute::make_tiled_mma(Atom{}, cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  struct alignas(1024) SharedStorage {
+    cute::array_aligned<cute::bfloat16_t, cute::cosize_v<LayoutA>, 1024> a;
+    cute::array_aligned<cute::bfloat16_t, cute::cosize_v<LayoutB>, 1024> b;
+    float fa[kStages][kBM];  // 1x64 window decode factors of the stage's rows
+    float fb[kStages][kBN];
+  };
 };
 
 // Stores 8 bf16 values (16 bytes) at row `r`, columns 8c .. 8c + 7 of stage `st` of the swizzled tile `s` (the
@@ -198,10 +216,6 @@ __device__ __forceinline__ void Decode(const typename OperandRegs<kFp4>::type& r
   }
 }
 
-using TiledMma = decltype(cute::make_tiled_mma(
-    cute::SM90_64x128x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>{},
-    cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
-
 // Output tile order: groups of kGroupM tile rows walked column by column, so neighbouring CTAs share A and B tiles
 // in L2.
 constexpr int kGroupM = 8;
@@ -210,10 +224,12 @@ template <bool kFp4A, bool kFp4B, bool kLocal>
 __global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
 #if defined(__CUDA_ARCH__) && defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using namespace cute;
+  using Cfg = Config<kLocal>;
+  constexpr int kBN = Cfg::kBN, kStages = Cfg::kStages;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
-  Tensor sA = make_tensor(make_smem_ptr(smem.a.data()), SmemLayoutA{});  // (BM, BK, stage)
-  Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), SmemLayoutB{});  // (BN, BK, stage)
+  auto& smem = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
+  Tensor sA = make_tensor(make_smem_ptr(smem.a.data()), typename Cfg::LayoutA{});  // (BM, BK, stage)
+  Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename Cfg::LayoutB{});  // (BN, BK, stage)
 
   // Tile coordinates (grouped order).
   const int64_t tiles_m = (p.M + kBM - 1) / kBM, tiles_n = (p.N + kBN - 1) / kBN;
@@ -223,13 +239,13 @@ __global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
   const int64_t tm = first_m + (tile % per_group) % group_m, tn = (tile % per_group) / group_m;
   const int64_t m0 = tm * kBM, n0 = tn * kBN;
 
+  // The half rows this thread decodes: half row h = tid + 256 i is row h / 2, codes 32 (h % 2) .. + 31 of the K-tile
+  // (one of A's 256 half rows; kBHalfRows of B's).
   const int tid = threadIdx.x;
-  const int drow = tid >> 1, dhalf = tid & 1;  // the half row this thread decodes (of A's and of B's tile)
-  const uint8_t* a_data = p.a;
-  const uint8_t* b_data = p.b;
+  const int drow = tid >> 1, dhalf = tid & 1;
   const int64_t KT = (p.K + kBK - 1) / kBK;
 
-  TiledMma tiled_mma;
+  typename Cfg::TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(tid);
   Tensor tCsA = thr_mma.partition_A(sA);           // (MMA, MMA_M, MMA_K, stage)
   Tensor tCsB = thr_mma.partition_B(sB);           // (MMA, MMA_N, MMA_K, stage)
@@ -241,25 +257,33 @@ __global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
   clear(acc);
   [[maybe_unused]] auto tmp = make_fragment_like(acc);
 
-  using RegsA = typename OperandRegs<kFp4A>::type;
-  using RegsB = typename OperandRegs<kFp4B>::type;
-  RegsA ra;
-  RegsB rb;
-  if (KT > 0) {
-    Load<kFp4A, kLocal>(ra, a_data, p.a_scale, p.a_aux, m0 + drow, p.M, p.K, 0, dhalf);
-    Load<kFp4B, kLocal>(rb, b_data, p.b_scale, p.b_aux, n0 + drow, p.N, p.K, 0, dhalf);
-    Decode<kFp4A, kLocal>(ra, sA, smem.fa[0], drow, dhalf, 0, p.a_e5m2);
-    Decode<kFp4B, kLocal>(rb, sB, smem.fb[0], drow, dhalf, 0, p.b_e5m2);
-    if (KT > 1) {
-      Load<kFp4A, kLocal>(ra, a_data, p.a_scale, p.a_aux, m0 + drow, p.M, p.K, 1, dhalf);
-      Load<kFp4B, kLocal>(rb, b_data, p.b_scale, p.b_aux, n0 + drow, p.N, p.K, 1, dhalf);
+  typename OperandRegs<kFp4A>::type ra;
+  typename OperandRegs<kFp4B>::type rb[Cfg::kBHalfRows];
+  auto load = [&](int64_t kt) {
+    Load<kFp4A, kLocal>(ra, p.a, p.a_scale, p.a_aux, m0 + drow, p.M, p.K, kt, dhalf);
+#pragma unroll
+    for (int i = 0; i < Cfg::kBHalfRows; ++i) {
+      Load<kFp4B, kLocal>(rb[i], p.b, p.b_scale, p.b_aux, n0 + 128 * i + drow, p.N, p.K, kt, dhalf);
     }
+  };
+  auto decode = [&](int st) {
+    Decode<kFp4A, kLocal>(ra, sA, smem.fa[st], drow, dhalf, st, p.a_e5m2);
+#pragma unroll
+    for (int i = 0; i < Cfg::kBHalfRows; ++i) {
+      Decode<kFp4B, kLocal>(rb[i], sB, smem.fb[st], 128 * i + drow, dhalf, st, p.b_e5m2);
+    }
+  };
+  if (KT > 0) {
+    load(0);
+    decode(0);
+    if (KT > 1) load(1);
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> visible to the WGMMA (async proxy) reads
     __syncthreads();
   }
 
+  int st = 0;  // the stage of K-tile kt
   for (int64_t kt = 0; kt < KT; ++kt) {
-    const int st = int(kt & 1);
+    const int next = st + 1 == kStages ? 0 : st + 1;  // the stage of K-tile kt + 1
     // The WGMMAs of K-tile kt, asynchronous.
     if constexpr (kLocal) {
       warpgroup_fence_operand(tmp);
@@ -279,18 +303,15 @@ __global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
       for (int kb = 0; kb < size<2>(tCrA); ++kb) cute::gemm(tiled_mma, tCrA(_, _, kb, st), tCrB(_, _, kb, st), acc);
       warpgroup_commit_batch();
     }
-    // Meanwhile: decode K-tile kt + 1 (in registers) into the other stage, whose last reader (the WGMMAs of tile
-    // kt - 1) completed before the barrier ending the previous iteration; then load tile kt + 2's codes.
+    // Meanwhile: decode K-tile kt + 1 (in registers) into its stage, whose last reader (the WGMMAs of K-tile
+    // kt + 1 - kStages) completed before the barrier ending the previous iteration (at most kInFlight = kStages - 2
+    // batches stay outstanding there); then load K-tile kt + 2's codes into the same registers.
     if (kt + 1 < KT) {
-      Decode<kFp4A, kLocal>(ra, sA, smem.fa[st ^ 1], drow, dhalf, st ^ 1, p.a_e5m2);
-      Decode<kFp4B, kLocal>(rb, sB, smem.fb[st ^ 1], drow, dhalf, st ^ 1, p.b_e5m2);
-      if (kt + 2 < KT) {
-        Load<kFp4A, kLocal>(ra, a_data, p.a_scale, p.a_aux, m0 + drow, p.M, p.K, kt + 2, dhalf);
-        Load<kFp4B, kLocal>(rb, b_data, p.b_scale, p.b_aux, n0 + drow, p.N, p.K, kt + 2, dhalf);
-      }
+      decode(next);
+      if (kt + 2 < KT) load(kt + 2);
       cutlass::arch::fence_view_async_shared();
     }
-    warpgroup_wait<0>();
+    warpgroup_wait<Cfg::kInFlight>();
     if constexpr (kLocal) {
       warpgroup_fence_operand(tmp);
       // Promotion of the window's partial sums: acc += (tmp * fa[m]) * fb[n].
@@ -299,11 +320,12 @@ __global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
         const int m = get<0>(tCcC(i)), n = get<1>(tCcC(i));
         acc(i) = __fadd_rn(acc(i), __fmul_rn(__fmul_rn(tmp(i), smem.fa[st][m]), smem.fb[st][n]));
       }
-    } else {
-      warpgroup_fence_operand(acc);
     }
-    __syncthreads();  // stage st is free for tile kt + 2; stage st ^ 1 (and its factors) is complete
+    __syncthreads();  // K-tile kt + 1's stage (and its factors) is complete on every thread
+    st = next;
   }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
 
   // Epilogue: * ta, * tb, + bias, cast, bounds-checked store, amax.
   const float ta = p.a_tensor ? __fmul_rn(__ldg(p.a_aux), cvt::kInv2688()) : 1.0f;

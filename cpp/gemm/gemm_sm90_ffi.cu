@@ -49,10 +49,11 @@ cudaError_t ComputeCapability(int* cc) {
 template <bool kFp4A, bool kFp4B, bool kLocal>
 cudaError_t Launch(const Params& p, cudaStream_t stream) {
   auto* kernel = gemm::GemmKernel<kFp4A, kFp4B, kLocal>;
-  constexpr int kSmem = int(sizeof(gemm::SharedStorage));
+  using Cfg = gemm::Config<kLocal>;
+  constexpr int kSmem = int(sizeof(typename Cfg::SharedStorage));
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
-  const int64_t tiles = ((p.M + gemm::kBM - 1) / gemm::kBM) * ((p.N + gemm::kBN - 1) / gemm::kBN);
+  const int64_t tiles = ((p.M + gemm::kBM - 1) / gemm::kBM) * ((p.N + Cfg::kBN - 1) / Cfg::kBN);
   kernel<<<dim3(unsigned(tiles)), dim3(gemm::kThreads), kSmem, stream>>>(p);
   return cudaGetLastError();
 }
@@ -131,7 +132,7 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a_data, ffi::AnyBuffer a
   JF4_CHECK(out_amax->dimensions().size() == 0, where + ": out_amax must be a float32 scalar []");
   JF4_CHECK(M < (int64_t(1) << 31) && N < (int64_t(1) << 31) && K < (int64_t(1) << 31),
             where + ": sizes must stay below 2^31");
-  const int64_t tiles = ((M + gemm::kBM - 1) / gemm::kBM) * ((N + gemm::kBN - 1) / gemm::kBN);
+  const int64_t tiles = ((M + gemm::kBM - 1) / gemm::kBM) * ((N + 127) / 128);  // the most of either tiling
   JF4_CHECK(tiles < (int64_t(1) << 31), where + ": too many output tiles");
 
   int cc = 0;
