@@ -117,14 +117,13 @@ using SmemLayout = decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cut
                                                                               cute::Int<kStages>{})));
 
 // The tile configuration. Plain products: 128 x 256 tiles (each warpgroup 64 x 256, 128 accumulators a thread),
-// three stages, the WGMMAs of one K-tile left in flight across the barrier (warpgroup_wait<1>), so the tensor cores
-// never drain between K-tiles. 1x64: 128 x 128 tiles and two stages, since every K-tile's partial sums must be
-// complete (warpgroup_wait<0>) before they are promoted, and the temporary fragment doubles the accumulators.
+// three shared-memory stages, the WGMMAs of one K-tile left in flight across the barrier that ends each iteration
+// (warpgroup_wait<1>), so the tensor cores never drain between K-tiles. 1x64: 128 x 128 tiles (the accumulator
+// comes with a fragment of window sums) and two stages; each K-tile's WGMMAs complete before their promotion.
 template <bool kLocal>
 struct Config {
   static constexpr int kBN = kLocal ? 128 : 256;
   static constexpr int kStages = kLocal ? 2 : 3;
-  static constexpr int kInFlight = kStages - 2;  // WGMMA batches left outstanding at the end of an iteration
   static constexpr int kBHalfRows = kBN / 128;   // half rows of B a thread decodes per K-tile
   using LayoutA = SmemLayout<kBM, kStages>;
   using LayoutB = SmemLayout<kBN, kStages>;
@@ -255,7 +254,6 @@ __global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
   Tensor cC = make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{});
   Tensor tCcC = thr_mma.partition_C(cC);           // the (m, n) of each accumulator element, tile-relative
   clear(acc);
-  [[maybe_unused]] auto tmp = make_fragment_like(acc);
 
   typename OperandRegs<kFp4A>::type ra;
   typename OperandRegs<kFp4B>::type rb[Cfg::kBHalfRows];
@@ -281,48 +279,62 @@ __global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
     __syncthreads();
   }
 
-  int st = 0;  // the stage of K-tile kt
-  for (int64_t kt = 0; kt < KT; ++kt) {
-    const int next = st + 1 == kStages ? 0 : st + 1;  // the stage of K-tile kt + 1
-    // The WGMMAs of K-tile kt, asynchronous.
-    if constexpr (kLocal) {
-      warpgroup_fence_operand(tmp);
-      warpgroup_arrive();
-      tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-        cute::gemm(tiled_mma, tCrA(_, _, kb, st), tCrB(_, _, kb, st), tmp);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-    } else {
-      warpgroup_fence_operand(acc);
-      warpgroup_arrive();
+  // Issues the WGMMAs of the K-tile in stage `st` into the fragment `c`, asynchronously (`zero`: c = A B, else
+  // c += A B).
+  auto mma = [&](int st, auto& c, bool zero) {
+    warpgroup_fence_operand(c);
+    warpgroup_arrive();
+    tiled_mma.accumulate_ = zero ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+      cute::gemm(tiled_mma, tCrA(_, _, kb, st), tCrB(_, _, kb, st), c);
       tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tCrA); ++kb) cute::gemm(tiled_mma, tCrA(_, _, kb, st), tCrB(_, _, kb, st), acc);
-      warpgroup_commit_batch();
     }
-    // Meanwhile: decode K-tile kt + 1 (in registers) into its stage, whose last reader (the WGMMAs of K-tile
-    // kt + 1 - kStages) completed before the barrier ending the previous iteration (at most kInFlight = kStages - 2
-    // batches stay outstanding there); then load K-tile kt + 2's codes into the same registers.
+    warpgroup_commit_batch();
+  };
+  // Decodes K-tile kt + 1 (in registers) into its stage `next`, whose last readers (the WGMMAs of K-tile
+  // kt + 1 - kStages, and for 1x64 the promotion of its factors) completed before the barrier ending the previous
+  // iteration (at most one WGMMA batch stays outstanding there); then loads K-tile kt + 2's codes into the same
+  // registers.
+  auto prepare_next = [&](int64_t kt, int next) {
     if (kt + 1 < KT) {
       decode(next);
       if (kt + 2 < KT) load(kt + 2);
       cutlass::arch::fence_view_async_shared();
     }
-    warpgroup_wait<Cfg::kInFlight>();
-    if constexpr (kLocal) {
+  };
+  auto advance = [](int st) { return st + 1 == kStages ? 0 : st + 1; };
+
+  if constexpr (!kLocal) {
+    int st = 0;  // the stage of K-tile kt
+    for (int64_t kt = 0; kt < KT; ++kt) {
+      const int next = advance(st);
+      mma(st, acc, false);
+      prepare_next(kt, next);
+      warpgroup_wait<1>();  // the batch of K-tile kt - 1 is complete (kt's may still run)
+      __syncthreads();      // K-tile kt + 1's stage is complete on every thread
+      st = next;
+    }
+  } else {
+    // 1x64: each K-tile's window sums go to a zeroed temporary fragment and are complete (warpgroup_wait<0>) before
+    // their promotion acc += (tmp * fa[m]) * fb[n]. (Alternating two fragments to overlap the promotion with the
+    // next K-tile's WGMMAs makes ptxas serialize every WGMMA: it reads accumulator registers inside the pipeline.)
+    auto tmp = make_fragment_like(acc);
+    int st = 0;
+    for (int64_t kt = 0; kt < KT; ++kt) {
+      const int next = advance(st);
+      mma(st, tmp, true);
+      prepare_next(kt, next);
+      warpgroup_wait<0>();
       warpgroup_fence_operand(tmp);
-      // Promotion of the window's partial sums: acc += (tmp * fa[m]) * fb[n].
       CUTE_UNROLL
       for (int i = 0; i < size(acc); ++i) {
         const int m = get<0>(tCcC(i)), n = get<1>(tCcC(i));
         acc(i) = __fadd_rn(acc(i), __fmul_rn(__fmul_rn(tmp(i), smem.fa[st][m]), smem.fb[st][n]));
       }
+      __syncthreads();  // K-tile kt + 1's stage and factors are complete on every thread
+      st = next;
     }
-    __syncthreads();  // K-tile kt + 1's stage (and its factors) is complete on every thread
-    st = next;
   }
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
