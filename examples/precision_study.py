@@ -41,6 +41,7 @@ CONFIGS = {
                                                                     "--switch-to", "bf16", "--switch-scope", "fwd"]),
     "nvfp4": ("nvfp4", []),
     "nvfp4+last1": ("nvfp4", ["--bf16-last", "1"]),
+    "nvfp4+switch0.9": ("nvfp4", ["--switch-at", "0.9", "--switch-to", "bf16", "--switch-scope", "fwd"]),
     "nvfp4+last1+switch0.9": ("nvfp4", ["--bf16-last", "1", "--switch-at", "0.9", "--switch-to", "bf16",
                                         "--switch-scope", "fwd"]),
     "mxfp8": ("mxfp8", []),
