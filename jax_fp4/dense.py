@@ -7,10 +7,13 @@ MXFP8-column pass), the weight once (columnwise for fprop, rowwise for dgrad), a
 Backward: dy is quantized once for both GEMMs (rowwise for dgrad, columnwise for wgrad) with the bias gradient fused
 into the same pass; dx = dy @ w.T and dw = x.T @ dy.
 Randomness (stochastic rounding): `key` is split into (x, w, dy) keys with `jax.random.split(key, 3)`.
-Emulated GEMMs (CPU, Hopper: no native block-scaled GEMM): an operand consumed at once (not a residual) comes from
-the quantize pass as an `ExactOperand` (bfloat16 value(q) * block scale, written by the same kernel launch), so no
-dequantize pass runs for it: fprop's x and w, and both dy operands. The residuals stay quantized. The bits of every
-product are those of `scaled_dot_general` on the QuantizedArrays.
+Routes (`jax_fp4.gemm.gemm_route`, per GEMM, at trace time): on compute capability 9.x with the `jf4_gemm` kernel
+("kernel") every quantized operand stays a packed QuantizedArray (codes, block scales, tensor / window amax) and
+fprop, dgrad and wgrad run `jf4_gemm`, fprop with the bias fused into its epilogue; no bfloat16 operand is written
+and no dequantize pass runs. Emulated GEMMs (CPU; any device with implementation="emulated"): an operand consumed at
+once (not a residual) comes from the quantize pass as an `ExactOperand` (bfloat16 value(q) * block scale, written by
+the same kernel launch), so no dequantize pass runs for it: fprop's x and w, and both dy operands. The residuals
+stay quantized. The bits of every emulated product are those of `scaled_dot_general` on the QuantizedArrays.
 """
 
 from __future__ import annotations
@@ -23,19 +26,22 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_fp4 import gemm as _gemm_module
 from jax_fp4._src.vjp_util import dtype_tag, operand_keys, reverse_mode_only
 from jax_fp4.formats import NVFP4
 from jax_fp4.gemm import (
     ExactOperand,
     canonical_dimension_numbers,
     exact_dot_general,
-    native_gemm_available,
     scaled_dot_general,
 )
 from jax_fp4.quantize import quantize_rowwise_columnwise
 from jax_fp4.recipes import Recipe, resolve
 
-__all__ = ["dense", "dot_general", "RESIDUAL_NAMES"]
+__all__ = ["dense", "dot_general", "RESIDUAL_NAMES", "IMPLEMENTATIONS", "gemm_routes"]
+
+#: dense's `implementation` choices: per GEMM as `gemm_route` says, every quantized GEMM emulated, or on jf4_gemm.
+IMPLEMENTATIONS = ("auto", "emulated", "kernel")
 
 RESIDUAL_NAMES = ("jax_fp4_x_wgrad", "jax_fp4_w_dgrad")
 _FPROP = (((1,), (0,)), ((), ()))  # x[M, K] . w[K, N]
@@ -59,54 +65,84 @@ def _quantize_pair(a, row_fmt, col_fmt, key, dbias=False, exact=(False, False)):
     return (a if row is None else row), (a if col is None else col), db
 
 
-def _gemm(a, b, dn):
+def _route(fa, fb, implementation: str) -> str:
+    if fa is None or fb is None:
+        return "bf16"
+    if implementation == "auto":
+        return _gemm_module.gemm_route(fa, fb)
+    if implementation == "kernel":
+        if not _gemm_module.kernel_gemm_available():
+            raise ValueError("dense: implementation='kernel' needs the jf4_gemm kernel (a GPU of compute capability "
+                             "9.x and the CUDA extension built with it; jax_fp4.gemm.kernel_gemm_available())")
+        return "kernel" if _gemm_module.gemm_route(fa, fb) == "kernel" else "emulated"
+    return "emulated"
+
+
+def gemm_routes(recipe: Recipe, implementation: str = "auto") -> dict:
+    """{"fprop", "dgrad", "wgrad": route} of `dense` on the default device: "kernel", "native", "emulated" or "bf16".
+
+    implementation="kernel" puts every GEMM whose formats `jf4_gemm` takes on the kernel (NVFP4 1x64 pairs only with
+    1x64; the others stay emulated) and raises ValueError on a device without it; "emulated" emulates every
+    quantized GEMM. Raises ValueError for an unknown implementation.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"dense: implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    return {"fprop": _route(recipe.fprop_x, recipe.fprop_w, implementation),
+            "dgrad": _route(recipe.dgrad_dy, recipe.dgrad_w, implementation),
+            "wgrad": _route(recipe.wgrad_x, recipe.wgrad_dy, implementation)}
+
+
+def _gemm(a, b, dn, route, out_dtype=jnp.float32, bias=None):
+    """One GEMM of the layer in float32 (+ bias in float32), cast to out_dtype."""
     if isinstance(a, ExactOperand) or isinstance(b, ExactOperand):
-        return exact_dot_general(a, b, dn, jnp.float32)
-    if hasattr(a, "fmt"):
-        return scaled_dot_general(a, b, dn, jnp.float32)
-    return lax.dot_general(a, b, dn, preferred_element_type=jnp.float32)
+        y = exact_dot_general(a, b, dn, jnp.float32)
+    elif hasattr(a, "fmt"):
+        if route == "kernel":  # the bias and the cast in the kernel's epilogue
+            return scaled_dot_general(a, b, dn, out_dtype, implementation="kernel", bias=bias)
+        y = scaled_dot_general(a, b, dn, jnp.float32, implementation="emulated" if route == "emulated" else "auto")
+    else:
+        y = lax.dot_general(a, b, dn, preferred_element_type=jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(out_dtype)
 
 
-def _forward(recipe, x2, w, bias, key):
+def _forward(recipe, implementation, x2, w, bias, key):
     """y alone: only the fprop operands are quantized (no wgrad x, no dgrad w, no residuals)."""
     kx, kw, _ = operand_keys(key)
-    emulated = not native_gemm_available()
-    x_fprop, _, _ = _quantize_pair(x2, recipe.fprop_x, None, kx, exact=(emulated, False))
-    _, w_fprop, _ = _quantize_pair(w, None, recipe.fprop_w, kw, exact=(False, emulated))
-    y = _gemm(x_fprop, w_fprop, _FPROP)
-    if bias is not None:
-        y = y + bias.astype(jnp.float32)
-    return y.astype(jnp.result_type(x2, w))
+    ex = gemm_routes(recipe, implementation)["fprop"] == "emulated"
+    x_fprop, _, _ = _quantize_pair(x2, recipe.fprop_x, None, kx, exact=(ex, False))
+    _, w_fprop, _ = _quantize_pair(w, None, recipe.fprop_w, kw, exact=(False, ex))
+    return _gemm(x_fprop, w_fprop, _FPROP, gemm_routes(recipe, implementation)["fprop"], jnp.result_type(x2, w), bias)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dense(recipe, x2, w, bias, key):
-    return _forward(recipe, x2, w, bias, key)
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _dense(recipe, implementation, x2, w, bias, key):
+    return _forward(recipe, implementation, x2, w, bias, key)
 
 
-def _dense_fwd(recipe, x2, w, bias, key):
+def _dense_fwd(recipe, implementation, x2, w, bias, key):
     recipe.check_key(key, "dense", backward=True)
     kx, kw, kdy = operand_keys(key)
-    emulated = not native_gemm_available()
-    x_fprop, x_wgrad, _ = _quantize_pair(x2, recipe.fprop_x, recipe.wgrad_x, kx, exact=(emulated, False))
-    w_dgrad, w_fprop, _ = _quantize_pair(w, recipe.dgrad_w, recipe.fprop_w, kw, exact=(False, emulated))
-    y = _gemm(x_fprop, w_fprop, _FPROP)
-    if bias is not None:
-        y = y + bias.astype(jnp.float32)
+    routes = gemm_routes(recipe, implementation)
+    ex = routes["fprop"] == "emulated"
+    x_fprop, x_wgrad, _ = _quantize_pair(x2, recipe.fprop_x, recipe.wgrad_x, kx, exact=(ex, False))
+    w_dgrad, w_fprop, _ = _quantize_pair(w, recipe.dgrad_w, recipe.fprop_w, kw, exact=(False, ex))
+    y = _gemm(x_fprop, w_fprop, _FPROP, routes["fprop"], jnp.result_type(x2, w), bias)
     res = (jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[0]), x_wgrad),
            jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[1]), w_dgrad),
            kdy, dtype_tag(x2), dtype_tag(w), None if bias is None else dtype_tag(bias))
-    return y.astype(jnp.result_type(x2, w)), res
+    return y, res
 
 
-def _dense_bwd(recipe, res, dy):
+def _dense_bwd(recipe, implementation, res, dy):
     x_wgrad, w_dgrad, kdy, xs, ws, bs = res
     has_bias = bs is not None
-    emulated = not native_gemm_available()
+    routes = gemm_routes(recipe, implementation)
     dy_dgrad, dy_wgrad, db = _quantize_pair(dy, recipe.dgrad_dy, recipe.wgrad_dy, kdy, dbias=has_bias,
-                                            exact=(emulated, emulated))
-    dx = _gemm(dy_dgrad, w_dgrad, _DGRAD).astype(xs.dtype)
-    dw = _gemm(x_wgrad, dy_wgrad, _WGRAD).astype(ws.dtype)
+                                            exact=(routes["dgrad"] == "emulated", routes["wgrad"] == "emulated"))
+    dx = _gemm(dy_dgrad, w_dgrad, _DGRAD, routes["dgrad"], xs.dtype)
+    dw = _gemm(x_wgrad, dy_wgrad, _WGRAD, routes["wgrad"], ws.dtype)
     dbias = db.astype(bs.dtype) if has_bias else None
     return dx, dw, dbias, None
 
@@ -114,7 +150,7 @@ def _dense_bwd(recipe, res, dy):
 _dense.defvjp(_dense_fwd, _dense_bwd)
 
 
-def dense(x, kernel, bias=None, *, recipe: Recipe, key=None):
+def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, implementation: str = "auto"):
     """y = x @ kernel + bias with the GEMMs quantized as `recipe` says (custom VJP, see the module docstring).
 
     Args:
@@ -126,6 +162,9 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None):
       key: PRNG key for stochastic rounding: required when an fprop operand rounds stochastically, and when the
         call is differentiated with a recipe that rounds a gradient operand stochastically (e.g. `recipes.NVFP4()`);
         a forward-only call of such a recipe needs none.
+      implementation: "auto" (each GEMM on the route `jax_fp4.gemm.gemm_route` names: the `jf4_gemm` kernel on
+        compute capability 9.x, else native or emulated), "emulated" (every quantized GEMM emulated, e.g. to compare
+        routes) or "kernel" (ValueError where no `jf4_gemm` kernel runs); see `gemm_routes`.
 
     Forward-only calls (no VJP taken: inference, `jax.jit` without `grad`) quantize only the fprop operands (x
     rowwise, w along K), so they carry no wgrad / dgrad shape constraint (e.g. MXFP8's M % 32 of the columnwise x)
@@ -143,6 +182,7 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None):
       TypeError: a recipe that is neither a Recipe nor a known name; forward-mode differentiation.
     """
     recipe = resolve(recipe, "dense")
+    gemm_routes(recipe, implementation)  # an unknown implementation, or "kernel" without the kernel: ValueError
     x, kernel = jnp.asarray(x), jnp.asarray(kernel)
     if kernel.ndim != 2 or x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
         raise ValueError(f"dense: x {x.dtype}{list(x.shape)} and kernel {kernel.dtype}{list(kernel.shape)} do not "
@@ -157,11 +197,11 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None):
     recipe.check_key(key, "dense", backward=False)
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), x.shape[-1])
-    y = reverse_mode_only(_dense, "jax_fp4.dense")(recipe, x2, kernel, bias, key)
+    y = reverse_mode_only(_dense, "jax_fp4.dense")(recipe, implementation, x2, kernel, bias, key)
     return y.reshape(*lead, kernel.shape[1])
 
 
-def dot_general(x, w, dimension_numbers, *, recipe: Recipe, key=None):
+def dot_general(x, w, dimension_numbers, *, recipe: Recipe, key=None, implementation: str = "auto"):
     """`lax.dot_general(x, w, dimension_numbers)` with the GEMMs quantized as `recipe` says (custom VJP of `dense`).
 
     Any dimension numbers: x is transposed to (batch, free, contracting) and w to (batch, contracting, free) (no
@@ -173,7 +213,7 @@ def dot_general(x, w, dimension_numbers, *, recipe: Recipe, key=None):
     Args:
       x, w: float arrays; w needs at least one free axis (N), x may have none (M = 1).
       dimension_numbers: ((x_contracting, w_contracting), (x_batch, w_batch)) as `lax.dot_general`.
-      recipe, key: as `dense`.
+      recipe, key, implementation: as `dense`.
 
     Returns:
       `lax.dot_general`'s layout (batch, x free, w free) in the promoted dtype of x and w.
@@ -202,11 +242,12 @@ def dot_general(x, w, dimension_numbers, *, recipe: Recipe, key=None):
     nshape = w.shape[len(br) + len(cr):]
     K, N, B = math.prod(x.shape[x.ndim - len(cl):]), math.prod(nshape), math.prod(bshape)
     if not bl:
-        y = dense(x.reshape(*mshape, K), w.reshape(K, N), recipe=recipe, key=key)
+        y = dense(x.reshape(*mshape, K), w.reshape(K, N), recipe=recipe, key=key, implementation=implementation)
         return y.reshape(*mshape, *nshape)
     x3, w3 = x.reshape(B, *mshape, K), w.reshape(B, K, N)
     if key is None:
-        y = jax.vmap(lambda a, b: dense(a, b, recipe=recipe))(x3, w3)
+        y = jax.vmap(lambda a, b: dense(a, b, recipe=recipe, implementation=implementation))(x3, w3)
     else:
-        y = jax.vmap(lambda a, b, k: dense(a, b, recipe=recipe, key=k))(x3, w3, jax.random.split(key, B))
+        y = jax.vmap(lambda a, b, k: dense(a, b, recipe=recipe, key=k, implementation=implementation))(
+            x3, w3, jax.random.split(key, B))
     return y.reshape(*bshape, *mshape, *nshape)

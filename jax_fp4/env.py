@@ -62,8 +62,10 @@ def env_report() -> dict:
     "cuda_compiler": nvcc version, "error": why it did not import}), "cpu_kernels" ({"built"}), "device"
     ({"platform", "kind", "count", "compute_capability": "9.0" on a GPU, else None}), "kernels" (what quantize /
     dequantize run on the default device: "CUDA kernels", "CPU kernels" or "reference"), "native_gemm" ({"auto":
-    compute capability >= 10, "on_request": jax.nn.scaled_matmul lowers here}), "recipes" ({recipe name: {"fprop",
-    "dgrad", "wgrad": "native", "emulated" or "bf16"}}, the route implementation="auto" takes for each GEMM).
+    compute capability >= 10, "on_request": jax.nn.scaled_matmul lowers here}), "kernel_gemm" ({"auto": the jf4_gemm
+    kernel runs here: compute capability 9.x and the CUDA extension with it}), "recipes" ({recipe name: {"fprop",
+    "dgrad", "wgrad": "kernel", "native", "emulated" or "bf16"}}, the route implementation="auto" takes for each
+    GEMM).
     """
     cuda = _cuda_extension()
     cpu_built = bool(getattr(ffi, "HAS_CPU_KERNELS", False))
@@ -83,6 +85,7 @@ def env_report() -> dict:
         "device": dev,
         "kernels": _kernels_here(dev["platform"], cuda["built"], cpu_built),
         "native_gemm": {"auto": gemm.native_gemm_available(), "on_request": gemm.scaled_matmul_lowers()},
+        "kernel_gemm": {"auto": gemm.kernel_gemm_available()},
         "recipes": routes,
     }
 
@@ -112,6 +115,7 @@ def format_env_report(report: dict | None = None) -> str:
         f"quantize / dequantize here: {r['kernels']}",
         f"native GEMM (jax.nn.scaled_matmul): auto {'yes' if ng['auto'] else 'no (needs compute capability >= 10)'}; "
         f"on request: {'yes' if ng['on_request'] else 'no (does not lower here)'}",
+        f"jf4_gemm kernel: {'yes' if r.get('kernel_gemm', {}).get('auto') else 'no (needs compute capability 9.x)'}",
         "GEMM route per recipe (implementation='auto'):",
         f"  {'recipe':<22}{'fprop':<10}{'dgrad':<10}{'wgrad'}",
     ]

@@ -32,6 +32,14 @@ a product of n factors (1 + delta_i)^(+-1), |delta_i| <= u.
     (the emulation's own error stays relative to A' = sum |a'_m b'_m|).
   * Casting the fp32 result z to bfloat16 (RNE, u_bf16 = 2**-8) adds u_bf16 |z|; adding a bias in fp32 first adds
     u |z| (`cast_bound`).
+  * The `jf4_gemm` kernel (`kernel_gemm_bound`) accumulates on the tensor cores. Their fp32 accumulation is not IEEE
+    RNE: in each MMA step the exact products and the accumulator are aligned to the largest exponent and the sum is
+    truncated (Fasi, Higham, Mikaitis, Pranesh, "Numerical behavior of NVIDIA tensor cores", PeerJ CS 2021). So
+    each term is cut at most once when aligned and once when the step's sum is normalised, each a relative error
+    below 2u (round toward zero): 4 units of u per term, gamma_(4K) in place of gamma_K. 1x64 pairs: each 64-window
+    partial sum is multiplied by the two window decode factors (fp32 values, one rounding each from the exact
+    factors, and two multiplications) before it enters the accumulator: 4 more roundings per term. The tensor
+    scales cost the same 2 roundings per NVFP4 operand.
 Every rounding above is relative (|delta| <= u) because the tests' data (random normal, magnitudes within a few
 powers of two) keeps all intermediate values normal fp32 numbers. Nothing here is tuned to an observed error: every
 factor is one of the rounding counts above.
@@ -137,11 +145,22 @@ def gemm_bound(absprod: np.ndarray, K: int, *, op: int = 0, scale: int = 0) -> n
     return (g + gamma(scale) * (1 + g) + SLACK) * absprod
 
 
-def operand_bound(a, b, dimension_numbers, K: int):
-    """(reference, bound) of scaled_dot_general(a, b) from the exact decoded operands."""
+def kernel_gemm_bound(absprod: np.ndarray, K: int, *, window: bool = False, scale: int = 0) -> np.ndarray:
+    """|R - E| bound of the `jf4_gemm` kernel's product (module docstring): tensor-core accumulation, 4 roundings
+    per term; `window` (a 1x64 pair) 4 more for the window decode factors."""
+    g = gamma(4 * K + (4 if window else 0))
+    return (g + gamma(scale) * (1 + g) + SLACK) * absprod
+
+
+def operand_bound(a, b, dimension_numbers, K: int, *, kernel: bool = False):
+    """(reference, bound) of scaled_dot_general(a, b) from the exact decoded operands; kernel=True: the bound of the
+    `jf4_gemm` kernel's product (`kernel_gemm_bound`) instead of the emulated one's."""
     ref, absprod = dot64(decode(a), decode(b), dimension_numbers)
     if isinstance(a.fmt, NVFP4) and a.fmt.rht:  # E is the same, but A is the transformed domain's
         absprod = dot64(decode(a, inverse_rht=False), decode(b, inverse_rht=False), dimension_numbers)[1]
+    if kernel:
+        return ref, kernel_gemm_bound(absprod, K, window=a.fmt.local_1x64 and b.fmt.local_1x64,
+                                      scale=tensor_scale_roundings(a, b))
     return ref, gemm_bound(absprod, K, op=operand_roundings(a, b), scale=tensor_scale_roundings(a, b))
 
 
@@ -209,11 +228,12 @@ OPERAND_FIELDS = {"x_fprop": ("fprop_x", -1), "w_fprop": ("fprop_w", -2), "dy_dg
                   "w_dgrad": ("dgrad_w", -1), "x_wgrad": ("wgrad_x", -2), "dy_wgrad": ("wgrad_dy", -2)}
 
 
-def check_dense(outs, ops, bias, dy, what: str = "dense") -> dict:
+def check_dense(outs, ops, bias, dy, what: str = "dense", *, kernel: bool = False) -> dict:
     """(y, dx, dw, dbias) of `dense` (x2[M, K], w[K, N], bfloat16 or float32) against float64 products of the
     reproduced operands `ops`: y = fprop + bias (an fp32 addition, then the cast), dx = dgrad, dw = wgrad, each
     within gemm_bound over its contracted length (K, N, M) plus `cast_bound`; dbias within the fp32 summation bound
-    of any order, gamma_(M-1) * sum |dy| (Higham eq. 4.4), plus the cast. Returns {name: (reference, bound)}."""
+    of any order, gamma_(M-1) * sum |dy| (Higham eq. 4.4), plus the cast. kernel=True: the GEMMs ran on the
+    `jf4_gemm` kernel (`kernel_gemm_bound`). Returns {name: (reference, bound)}."""
     y, dx, dw, db = outs
     dyf = f64(dy)
     checked = {}
@@ -221,7 +241,7 @@ def check_dense(outs, ops, bias, dy, what: str = "dense") -> dict:
                                   ("dw", dw, ("x_wgrad", "dy_wgrad", WGRAD))):
         qa, qb = ops[a], ops[b]
         k = qa.shape[dn[0][0][0]]
-        ref, bound = operand_bound(qa, qb, dn, k)
+        ref, bound = operand_bound(qa, qb, dn, k, kernel=kernel)
         with_bias = name == "y" and bias is not None
         if with_bias:
             ref = ref + f64(bias)
