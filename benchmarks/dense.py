@@ -11,8 +11,10 @@ memory_analysis (temp / argument / output bytes) and compile time go to the JSON
 jax.nn rows: the same step with y = jax.nn.scaled_dot_general(x, w, ..., configs=[lhs, rhs, grad]) + b; the NVFP4
 global scales are amax / (6 * 448) of x and w, computed in the step (stop_gradient). jax.nn keeps bf16 x and w as
 residuals, and its nvfp4 backward runs bf16 GEMMs. It needs cuDNN's block-scaled matmul (sm_100+); "n/a" elsewhere.
-Where no native block-scaled GEMM exists (compute capability < 10, e.g. H100/H200), jax_fp4 runs its emulated GEMM
-(exact block-scaled values in a bf16 x bf16 dot), so the step ratios there measure quantization + emulation.
+On compute capability 9.x (H100/H200) with the `jf4_gemm` kernel, jax_fp4's GEMMs run on it ("kernel" route,
+packed operands); elsewhere without a native block-scaled GEMM they are emulated (exact block-scaled values in a
+bf16 x bf16 dot). `--implementations auto,emulated,kernel` times each recipe on each route of `jax_fp4.dense`
+(rows "recipe [route]"; `jax_fp4.dense.gemm_routes` gives the route of each GEMM, printed per row).
 
 Timing: one jitted step, compiled once (lower().compile()), called alternately on NBUF rotated (x, w, b, g) buffer
 sets (fewer when they would not fit in MEM_CAP_BYTES); 2 warm-up calls, then `iters` calls (fewer for slow steps,
@@ -20,7 +22,8 @@ about REPEAT_BUDGET_S per repeat) enqueued back to back, wall time until `jax.bl
 `repeats`.
 
 Usage: python benchmarks/dense.py [--shapes default|small|4096->4096,...] [--recipes name,...] [--iters 10]
-                                  [--repeats 3] [--out benchmarks/results/dense.json]
+                                  [--implementations auto[,emulated,kernel]] [--repeats 3]
+                                  [--out benchmarks/results/dense.json]
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ import jax.numpy as jnp
 
 from jax_fp4 import dense, recipes
 from jax_fp4._src import ffi
-from jax_fp4.gemm import native_gemm_available
+from jax_fp4.dense import IMPLEMENTATIONS, gemm_routes
+from jax_fp4.gemm import kernel_gemm_available, native_gemm_available
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/_common.py, also under python -P
 import _common as bench  # noqa: E402
@@ -51,18 +55,25 @@ TARGET_RECIPE, TARGET_STEP, TARGET_RESIDUAL = "nvfp4-fwd-mxfp8-bwd", 1.25, 0.6
 JNN = {"jax.nn mxfp8": "mxfp8", "jax.nn nvfp4": "nvfp4"}
 
 
-def all_layers() -> dict:
-    """name -> (x, w, b, key) -> y bf16 [M, N]; bf16 first (the baseline)."""
+def all_layers(implementations=("auto",)) -> dict:
+    """name -> (x, w, b, key) -> y bf16 [M, N]; bf16 first (the baseline). With several implementations, each
+    quantized recipe runs once per route of `jax_fp4.dense`, named "recipe [implementation]"."""
     rs = {name: recipes.by_name(name) for name in recipes.RECIPES}
     rs["mxfp8-hybrid"] = recipes.MXFP8("e5m2")
     layers = {"bf16": _fp4_layer(rs.pop("bf16"))}
-    layers.update({name: _fp4_layer(r) for name, r in rs.items()})
+    for name, r in rs.items():
+        for impl in implementations:
+            layers[name if len(implementations) == 1 else f"{name} [{impl}]"] = _fp4_layer(r, impl)
     layers.update({name: _jnn_layer(mode) for name, mode in JNN.items()})
     return layers
 
 
-def _fp4_layer(r):
-    return lambda x, w, b, key: dense(x, w, b, recipe=r, key=key if r.needs_key else None)
+def _fp4_layer(r, implementation="auto"):
+    def layer(x, w, b, key):
+        return dense(x, w, b, recipe=r, key=key if r.needs_key else None, implementation=implementation)
+
+    layer.routes = lambda: gemm_routes(r, implementation)
+    return layer
 
 
 def _jnn_layer(mode):
@@ -134,10 +145,12 @@ def parse_recipes(spec: str | None, layers: dict) -> dict:
     if not spec:
         return layers
     names = [s.strip() for s in spec.split(",") if s.strip()]
-    bad = [s for s in names if s not in layers]
+    base = {name.split(" [")[0] for name in layers}
+    bad = [s for s in names if s not in base]
     if bad:
-        raise SystemExit(f"unknown recipe(s) {bad}; known: {', '.join(layers)}")
-    return {name: fn for name, fn in layers.items() if name == "bf16" or name in names}  # bf16: the baseline
+        raise SystemExit(f"unknown recipe(s) {bad}; known: {', '.join(sorted(base))}")
+    return {name: fn for name, fn in layers.items()
+            if name == "bf16" or name.split(" [")[0] in names}  # bf16: the baseline
 
 
 _f = functools.partial(bench.fmt, missing="n/a")
@@ -147,21 +160,27 @@ def main():
     ap = bench.base_parser(__doc__, "dense", iters=10, repeats=3,
                      shapes_help="default | small (x [1024, 512], w [512, 512]) | comma list of " + ", ".join(SHAPES))
     ap.add_argument("--recipes", default=None, help="comma list of recipe names (bf16 always runs: the baseline)")
+    ap.add_argument("--implementations", default="auto",
+                    help=f"comma list of jax_fp4.dense implementations to compare ({', '.join(IMPLEMENTATIONS)})")
     args = ap.parse_args()
     shapes = bench.parse_shapes(args.shapes, SHAPES, SMALL_SHAPES, dims=None)
-    layers = parse_recipes(args.recipes, all_layers())
+    impls = tuple(s.strip() for s in args.implementations.split(",") if s.strip())
+    if not impls or any(i not in IMPLEMENTATIONS for i in impls):
+        raise SystemExit(f"--implementations: choose from {', '.join(IMPLEMENTATIONS)}, got {args.implementations!r}")
+    layers = parse_recipes(args.recipes, all_layers(impls))
 
     dev = bench.setup_device("quantization")
     native = native_gemm_available()
     results = {
-        **bench.run_info(dev), "native_gemm": native,
+        **bench.run_info(dev), "native_gemm": native, "kernel_gemm": kernel_gemm_available(),
+        "implementations": list(impls),
         "method": (f"one compiled step over <= {NBUF} rotated input sets, 2 warm-up calls, best of {args.repeats} x "
                    f"<= {args.iters} calls, block_until_ready"),
         "targets": {"recipe": TARGET_RECIPE, "step_ratio_max": TARGET_STEP, "residual_ratio_max": TARGET_RESIDUAL},
         "copy_GBps": {}, "rows": [],
     }
     print(f"device: {results['device']}  jax {results['jax']}  CUDA kernels: {ffi.HAS_CUDA_KERNELS}  native "
-          f"block-scaled GEMM: {native}{'' if native else ' (emulated)'}\n({results['method']})", flush=True)
+          f"block-scaled GEMM: {native}  jf4_gemm kernel: {results['kernel_gemm']}\n({results['method']})", flush=True)
     rows, t_start = results["rows"], time.perf_counter()
     for sname, (m, k, n) in shapes.items():
         set_bytes = 2 * (m * k + k * n + m * n + n)
@@ -176,6 +195,8 @@ def main():
             row = {"recipe": name, "shape_name": sname, "shape": {"M": m, "K": k, "N": n}, "n_buffers": nbuf,
                    "ms": None, "step_ratio": None, "residual_bytes": None, "residual_ratio": None, "TFLOPs": None}
             try:
+                if hasattr(layer, "routes"):
+                    row["routes"] = layer.routes()
                 row["residual_bytes"] = residual_bytes(layer, argsets[0])
                 t0 = time.perf_counter()
                 lowered = make_step(layer).lower(*argsets[0])
@@ -196,31 +217,36 @@ def main():
             if row["residual_bytes"] is not None and base.get("residual_bytes"):
                 row["residual_ratio"] = row["residual_bytes"] / base["residual_bytes"]
             rows.append(row)
-            print(f"  {name:<22} {_f(row['ms'], '9.3f'):>9} ms  residuals {_f(row['residual_bytes'], ',')} B  "
-                  f"compile {_f(row.get('compile_s'), '.1f')} s (t={time.perf_counter() - t_start:.0f}s)", flush=True)
+            routes = "/".join(row["routes"].values()) if row.get("routes") else ""
+            print(f"  {name:<34} {_f(row['ms'], '9.3f'):>9} ms  residuals {_f(row['residual_bytes'], ',')} B  "
+                  f"compile {_f(row.get('compile_s'), '.1f')} s  {routes} (t={time.perf_counter() - t_start:.0f}s)",
+                  flush=True)
         del argsets
 
     print(f"\n{bench.describe_run(results)}  native block-scaled GEMM: {native}")
     print("step = fwd + dgrad + wgrad + dbias; ratios are to the bf16 row of the same shape; residuals = array "
           "leaves of the layer's VJP (float4 at 4 bits); TFLOP/s = 6*M*K*N / step")
     bench.print_table(
-        [("recipe", "<22"), ("shape", "<16"), ("step ms", ">9"), ("vs bf16", ">8"), ("residual MB", ">12"),
-         ("vs bf16", ">8"), ("TFLOP/s", ">8")],
+        [("recipe", "<34"), ("shape", "<16"), ("step ms", ">9"), ("vs bf16", ">8"), ("residual MB", ">12"),
+         ("vs bf16", ">8"), ("TFLOP/s", ">8"), ("fprop/dgrad/wgrad route", "<26")],
         [(r["recipe"], r["shape_name"], _f(r["ms"], "9.3f"), _f(r["step_ratio"], "7.3f"),
           _f(None if r["residual_bytes"] is None else r["residual_bytes"] / 2**20, "12.2f"),
-          _f(r["residual_ratio"], "7.3f"), _f(r["TFLOPs"], "8.1f")) for r in rows])
+          _f(r["residual_ratio"], "7.3f"), _f(r["TFLOPs"], "8.1f"),
+          "/".join(r["routes"].values()) if r.get("routes") else "") for r in rows])
 
     print(f"\ntargets ({TARGET_RECIPE}): step <= {TARGET_STEP}x bf16, residual bytes <= {TARGET_RESIDUAL}x bf16")
     results["targets"]["by_shape"] = {}
-    for r in (r for r in rows if r["recipe"] == TARGET_RECIPE):
+    for r in (r for r in rows if r["recipe"].split(" [")[0] == TARGET_RECIPE):
         ok_t = None if r["step_ratio"] is None else r["step_ratio"] <= TARGET_STEP
         ok_r = None if r["residual_ratio"] is None else r["residual_ratio"] <= TARGET_RESIDUAL
-        results["targets"]["by_shape"][r["shape_name"]] = {"step_ok": ok_t, "residual_ok": ok_r}
+        where = r["shape_name"] if r["recipe"] == TARGET_RECIPE else f"{r['recipe']} {r['shape_name']}"
+        results["targets"]["by_shape"][where] = {"step_ok": ok_t, "residual_ok": ok_r}
         verdict = {True: "MEETS", False: "MISSES", None: "n/a"}
-        print(f"  {r['shape_name']:<16} step {_f(r['step_ratio'], '.3f')}x: {verdict[ok_t]:<6}  residual "
-              f"{_f(r['residual_ratio'], '.3f')}x: {verdict[ok_r]}")
-    if not native:
-        print("  note: no native block-scaled GEMM on this device; quantized steps use the emulated GEMM")
+        print(f"  {r['recipe']:<34} {r['shape_name']:<16} step {_f(r['step_ratio'], '.3f')}x: {verdict[ok_t]:<6}  "
+              f"residual {_f(r['residual_ratio'], '.3f')}x: {verdict[ok_r]}")
+    if not native and not results["kernel_gemm"]:
+        print("  note: no native block-scaled GEMM and no jf4_gemm kernel on this device; quantized steps use the "
+              "emulated GEMM")
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
 
     bench.write_results(results, args.out)

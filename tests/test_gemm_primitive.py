@@ -426,3 +426,66 @@ def test_dense_on_the_kernel(rng, name):
     for i, g in enumerate(("y", "dx", "dw")):
         assert_within(outs[i], np.asarray(emulated[i], np.float64), kchecked[g][1] + echecked[g][1],
                       f"{name} {g}: kernel vs emulated")
+
+
+# ---- sharding (4 forced CPU devices, in a subprocess: XLA_FLAGS must precede the backend) ----------------------------
+SHARDING_SCRIPT = """
+import re, sys
+sys.path.insert(0, {tests!r})
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from _gemm_util import check_dense, dense_operands, operand_bound, assert_within
+import jax_fp4
+from jax_fp4 import gemm, recipes, MXFP8, NVFP4
+
+gemm.kernel_gemm_available = lambda: True  # the primitive lowers to the emulation on the CPU
+rng = np.random.default_rng({seed})
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+M, K, N = 256, 128, 128
+x = jnp.asarray(rng.standard_normal((M, K)) * np.repeat(2.0 ** np.arange(-2, 2), 64)[:, None], jnp.bfloat16)
+w = jnp.asarray(rng.standard_normal((K, N)) / 8, jnp.bfloat16)
+b = jnp.asarray(rng.standard_normal(N), jnp.bfloat16)
+dy = jnp.asarray(rng.standard_normal((M, N)), jnp.bfloat16)
+TN = (((1,), (1,)), ((), ()))
+for fa, fb in ((NVFP4(), MXFP8()), (NVFP4(local_1x64=True), NVFP4(local_1x64=True))):
+    a, c = jax_fp4.quantize(x, fa), jax_fp4.quantize(w.T, fb)
+    put = lambda q, ax: jax.tree.map(lambda l: jax.device_put(l, NamedSharding(mesh, P(ax, None) if l.ndim == 2
+                                                                                   else P())), q)
+    f = jax.jit(lambda a, c: jax_fp4.scaled_dot_general(a, c, TN, implementation="kernel", return_amax=True))
+    sa, sc = put(a, "data"), put(c, "model")
+    out, amax = f(sa, sc)
+    assert out.sharding.spec == P("data", "model"), out.sharding
+    hlo = f.lower(sa, sc).compile().as_text()
+    assert not re.search(r"all-gather|all-to-all|collective-permute|reduce-scatter", hlo), "a gathered operand"
+    ref, bound = operand_bound(a, c, TN, K)
+    assert_within(out, ref, bound, f"sharded {{fa!r}} x {{fb!r}}")
+    assert float(amax) == float(jnp.max(jnp.abs(out)))
+
+def step(x, w, b, dy):
+    y, vjp = jax.vjp(lambda x, w, b: jax_fp4.dense(x, w, b, recipe=recipes.NVFP4Fwd_MXFP8Bwd(),
+                                                    implementation="kernel"), x, w, b)
+    return (y, *vjp(dy))
+
+outs = jax.jit(step)(jax.device_put(x, NamedSharding(mesh, P("data", None))), w, b,
+                     jax.device_put(dy, NamedSharding(mesh, P("data", None))))
+assert outs[0].sharding.spec[0] == "data", outs[0].sharding
+check_dense(outs, dense_operands(x, w, dy, jax.random.key(0), recipes.NVFP4Fwd_MXFP8Bwd()), b, dy, "sharded dense")
+print("OK")
+"""
+
+
+def test_sharded_kernel_route_in_a_subprocess(rng):
+    """M / N sharded operands run the primitive per shard without gathering them (no all-gather in the compiled
+    HLO; the amax is one all-reduce), within the bound of the unsharded product; sharded dense on the kernel route
+    within check_dense's bounds."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    tests = str(pathlib.Path(__file__).resolve().parent)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(pathlib.Path(tests).parent), os.environ.get("PYTHONPATH", "")]))
+    script = SHARDING_SCRIPT.format(tests=tests, seed=int(rng.integers(2**31)))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

@@ -32,8 +32,8 @@ on chip, 1x64 window partial sums promoted with the two window decode factors; a
 CUDA without it) lowers to the emulation above (`mlir.lower_fun`), so results on the CPU are bit for bit those of
 `exact_dot_general`. The kernel's float32 accumulation order is its own: GPU results are compared against bounds.
 vmap: a batched A with a shared B (and no tensor amax or amax output per example) is folded into M; any other
-batching runs the primitive once per example (`lax.map`). No sharding rule: XLA gathers sharded operands of the
-CUDA custom call; the emulation is partitioned as ordinary HLO. Not differentiable (the custom VJPs of
+batching runs the primitive once per example (`lax.map`). Sharding (partitioning_gemm.py): M and N parallel as the
+rows of a and b are sharded, K gathered. Not differentiable (the custom VJPs of
 `jax_fp4.dense` differentiate the quantized GEMMs).
 """
 
@@ -48,6 +48,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_fp4._src import ffi as _ffi
 from jax_fp4._src.ffi_codes import GemmFlag
+from jax_fp4._src.primitives import partitioning_gemm
 from jax_fp4._src.primitives._common import def_impl
 from jax_fp4._src.primitives.dequantize import block_scaled_values, dequantize_array
 from jax_fp4.formats import Format
@@ -140,7 +141,8 @@ def _check_operand(side, data, scale, aux, fmt, k):
         raise ValueError(f"{where}_aux must be float32{list(want)} ({what}, {fmt!r}), got {_desc(aux)}")
 
 
-def _abstract_eval(a_data, a_scale, a_aux, b_data, b_scale, b_aux, bias, *, a_fmt, b_fmt, out_dtype, emit_amax):
+def _abstract_eval(a_data, a_scale, a_aux, b_data, b_scale, b_aux, bias, *, a_fmt, b_fmt, out_dtype, emit_amax,
+                   local=False):
     if len(a_data.shape) != 2 or len(b_data.shape) != 2:
         raise ValueError(f"jf4_gemm: a_data {_desc(a_data)} and b_data {_desc(b_data)} must be rank 2 ([M, K] and "
                          "[N, K], K-major)")
@@ -185,7 +187,8 @@ def emulated_gemm(a_data, a_scale, a_aux, b_data, b_scale, b_aux, bias, *, a_fmt
     return out, amax
 
 
-mlir.register_lowering(gemm_p, mlir.lower_fun(emulated_gemm, multiple_results=True))
+_emulated_lowering = mlir.lower_fun(emulated_gemm, multiple_results=True)
+mlir.register_lowering(gemm_p, partitioning_gemm.lowering(gemm_p, _emulated_lowering))
 
 
 # ---- CUDA lowering ----------------------------------------------------------------------------------------------
@@ -206,11 +209,11 @@ def cuda_kernel_registered() -> bool:
 
 
 if cuda_kernel_registered():
-    mlir.register_lowering(gemm_p, _cuda_lowering, platform="cuda")
+    mlir.register_lowering(gemm_p, partitioning_gemm.lowering(gemm_p, _cuda_lowering), platform="cuda")
 
 
 # ---- batching ---------------------------------------------------------------------------------------------------
-def _batch_rule(args, dims, *, a_fmt, b_fmt, out_dtype, emit_amax):
+def _batch_rule(args, dims, *, a_fmt, b_fmt, out_dtype, emit_amax, local=False):
     params = dict(a_fmt=a_fmt, b_fmt=b_fmt, out_dtype=out_dtype, emit_amax=emit_amax)
     size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
     if all(d is None for d in dims[3:]) and not a_fmt.has_tensor_amax and not emit_amax:
