@@ -7,10 +7,14 @@ x bf16 [M, K], w bf16 [K, N], for the nvfp4-fwd-mxfp8-bwd recipe and for bf16 (p
 (lower + compile) and the best-of-`repeats` mean step time over `iters` calls, and their ratios to bf16.
 Quantize: `quantize_rowwise_columnwise(x, NVFP4(), MXFP8())` (the recipe's forward pass of x) and MXFP8 rowwise +
 columnwise of bf16 x [M, K]: GB/s of input read, and per core (divided by os.cpu_count(), the handler's threads).
+Grouped quantize: `grouped_quantize_rowwise_columnwise(x, group_sizes, ...)` of bf16 x [T, K] split into 8 groups
+of uneven token counts (multiples of 32, one empty; sizes traced, as a router's output), NVFP4 rowwise + MXFP8
+columnwise (the MoE recipe's pairing) and NVFP4 rowwise alone: GB/s of input read, and per core.
 
 Timings on a shared machine vary with its load; the table says how many cores the process saw.
 
-Usage: python benchmarks/cpu.py [--iters 10] [--repeats 3] [--out benchmarks/results/cpu.json]
+Usage: python benchmarks/cpu.py [--iters 10] [--repeats 3] [--parts dense,quantize,grouped]
+                                [--out benchmarks/results/cpu.json]
 """
 
 from __future__ import annotations
@@ -24,13 +28,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp4 import MXFP8, NVFP4, dense, recipes
+from jax_fp4 import MXFP8, NVFP4, dense, grouped_quantize_rowwise_columnwise, recipes
 from jax_fp4._src import ffi
 from jax_fp4.quantize import quantize_rowwise_columnwise
 
 DENSE_SHAPES = {"512x256->512": (512, 256, 512), "2048x1024->1024": (2048, 1024, 1024)}  # (M tokens, K, N)
 QUANT_SHAPES = {"2048x2048": (2048, 2048), "4096x4096": (4096, 4096)}
 RECIPES = ("bf16", "nvfp4-fwd-mxfp8-bwd")
+GROUPED_SHAPES = {"4096x2048, 8 groups": (4096, 2048, 8)}  # (T tokens, K, N groups)
 
 
 def _best_mean(fn, args, iters, repeats):
@@ -72,15 +77,47 @@ def quantize_gbps(M, K, pair, iters, repeats):
     return x.nbytes / s / 1e9, s
 
 
+def grouped_sizes(T, n):
+    """int32[n] uneven token counts, multiples of 32 summing to T, group 1 empty."""
+    w = np.random.default_rng(0).uniform(0.5, 1.5, n)
+    w[1] = 0
+    sizes = (w / w.sum() * T // 32).astype(np.int32) * 32
+    sizes[0] += T - sizes.sum()
+    return jnp.asarray(sizes)
+
+
+def grouped_gbps(T, K, n, pair, iters, repeats):
+    x = jax.random.normal(jax.random.key(2), (T, K), jnp.bfloat16)
+    fn = jax.jit(lambda x, sizes: grouped_quantize_rowwise_columnwise(x, sizes, *pair)[:2])
+    s = _best_mean(fn, (x, grouped_sizes(T, n)), iters, repeats)
+    return x.nbytes / s / 1e9, s
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--parts", default="dense,quantize,grouped", help="comma-separated: dense, quantize, grouped")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    parts = set(a.parts.split(","))
     cores = os.cpu_count() or 1
-    res = {"jax": jax.__version__, "cpu_kernels": ffi.HAS_CPU_KERNELS, "cores": cores, "dense": [], "quantize": []}
+    res = {"jax": jax.__version__, "cpu_kernels": ffi.HAS_CPU_KERNELS, "cores": cores, "dense": [], "quantize": [],
+           "grouped": []}
     print(f"jax {jax.__version__}  CPU kernels: {ffi.HAS_CPU_KERNELS}  cores: {cores}")
+    if "dense" in parts:
+        bench_dense(a, res)
+    if "quantize" in parts:
+        bench_quantize(a, res, cores)
+    if "grouped" in parts:
+        bench_grouped(a, res, cores)
+    if a.out:
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+def bench_dense(a, res):
     print(f"{'dense step':28s} {'recipe':22s} {'compile s':>10s} {'step ms':>9s} {'compile/bf16':>13s} "
           f"{'step/bf16':>10s}")
     for name, (M, K, N) in DENSE_SHAPES.items():
@@ -90,16 +127,24 @@ def main():
             base = base or (c, s)
             res["dense"].append(dict(shape=name, recipe=rn, compile_s=c, step_s=s))
             print(f"{name:28s} {rn:22s} {c:10.2f} {s * 1e3:9.2f} {c / base[0]:13.2f} {s / base[1]:10.2f}")
+
+
+def bench_quantize(a, res, cores):
     print(f"\n{'quantize (bf16 input)':28s} {'formats':22s} {'ms':>10s} {'GB/s':>9s} {'GB/s/core':>13s}")
     for name, (M, K) in QUANT_SHAPES.items():
         for label, pair in (("nvfp4 row + mxfp8 col", (NVFP4(), MXFP8())), ("mxfp8 row + col", (MXFP8(), MXFP8()))):
             gbps, s = quantize_gbps(M, K, pair, a.iters, a.repeats)
             res["quantize"].append(dict(shape=name, formats=label, s=s, gbps=gbps, gbps_per_core=gbps / cores))
             print(f"{name:28s} {label:22s} {s * 1e3:10.2f} {gbps:9.2f} {gbps / cores:13.3f}")
-    if a.out:
-        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+
+
+def bench_grouped(a, res, cores):
+    print(f"\n{'grouped quantize (bf16)':28s} {'formats':22s} {'ms':>10s} {'GB/s':>9s} {'GB/s/core':>13s}")
+    for name, (T, K, n) in GROUPED_SHAPES.items():
+        for label, pair in (("nvfp4 row + mxfp8 col", (NVFP4(), MXFP8())), ("nvfp4 row", (NVFP4(), None))):
+            gbps, s = grouped_gbps(T, K, n, pair, a.iters, a.repeats)
+            res["grouped"].append(dict(shape=name, formats=label, s=s, gbps=gbps, gbps_per_core=gbps / cores))
+            print(f"{name:28s} {label:22s} {s * 1e3:10.2f} {gbps:9.2f} {gbps / cores:13.3f}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@
 #include "common/ffi_codes.h"
 #include "common/ffi_utils.h"
 #include "common/scale_layout.cuh"
+#include "cpu/dequantize_cpu.h"
 #include "cpu/parallel.h"
 #include "dequantize/decode.cuh"
 #include "xla/ffi/api/ffi.h"
@@ -30,10 +31,12 @@ constexpr int64_t kMinWork = 1 << 18;  // elements per extra thread
 
 int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
+}  // namespace
+
 // float16 bits of v, RNE with gradual underflow, overflow to inf, NaN -> 0x7E00 (the reference's canonical NaN).
 // Below 2^-14 the code is rint(|v| * 2^24) (multiples of 2^-24; may round up to 0x400): an exact scaling, rounded
 // once to nearest even by the sum with 2^23 (cvt::SmallFloatRne's form; both ranges computed, one selected).
-uint32_t F16Rne(float v) {
+static uint32_t F16Rne(float v) {
   const uint32_t b = cvt::Bits(v), mag = b & 0x7FFFFFFFu, sign = (b >> 16) & 0x8000u;
   const uint32_t sub = cvt::Bits(cvt::Float(mag) * 16777216.0f + 8388608.0f) - 0x4B000000u;
   const uint32_t normal = ((mag + 0xFFFu + ((mag >> 13) & 1u)) >> 13) - (112u << 10);
@@ -61,20 +64,7 @@ void RhtInverse16(float (&v)[16]) {
   }
 }
 
-struct Geometry {
-  const uint8_t* data;
-  const uint8_t* scale;
-  const float* amax;  // tensor amax, null for block-only / 1x64 / MXFP8
-  bool amax_per_p;
-  const float* wamax;
-  int64_t P, R, C, cols_padded;
-  int kind, flags;
-  void* out;
-  int out_bytes;
-  bool out_bf16;
-};
-
-int64_t ScaleIdx(const Geometry& g, int64_t row, int64_t j, int64_t cols) {
+static int64_t ScaleIdx(const Geometry& g, int64_t row, int64_t j, int64_t cols) {
   return (g.flags & kSwizzledFlag) ? layout::SwizzledIndex(row, j, g.cols_padded) : row * cols + j;
 }
 
@@ -112,35 +102,41 @@ void DequantizeRow(const Geometry& g, int64_t p, int64_t r, float* v) {
   }
 }
 
-void Run(const Geometry& g) {
-  const bool mx_col = g.flags & kMxColumnwise, transpose = g.flags & kTransposeOut;
-  if (mx_col) {  // MXFP8 blocks along R: a unit is one 32-row block of data[p]
+int64_t DequantizeUnits(const Geometry& g) {
+  return (g.flags & kMxColumnwise) ? g.P * (g.R / 32) : g.P * g.R;
+}
+
+void DequantizeUnit(const Geometry& g, int64_t u) {
+  if (g.flags & kMxColumnwise) {  // MXFP8 blocks along R: a unit is one 32-row block of data[p]
     const int64_t nbr = g.R / 32;
-    ParallelFor(g.P * nbr, g.P * g.R * g.C, kMinWork, [&](int64_t u) {
-      const int64_t p = u / nbr, jb = u % nbr;
-      for (int64_t c = 0; c < g.C; ++c) {
-        const int64_t idx = (g.flags & kSwizzledFlag) ? layout::SwizzledIndex(p * g.C + c, jb, g.cols_padded)
-                                                       : (p * nbr + jb) * g.C + c;
-        const float s = dequantize::E8M0Value(g.scale[idx]);
-        for (int i = 0; i < 32; ++i) {
-          const int64_t e = (p * g.R + 32 * jb + i) * g.C + c;
-          const uint32_t code = g.data[e];
-          const float q = g.kind == dequantize::kMxfp8E4m3 ? dequantize::Fp8Value<dequantize::kMxfp8E4m3>(code)
-                                                           : dequantize::Fp8Value<dequantize::kMxfp8E5m2>(code);
-          Store(g.out, g.out_bytes, g.out_bf16, e, cvt::Mul(q, s));
-        }
+    const int64_t p = u / nbr, jb = u % nbr;
+    for (int64_t c = 0; c < g.C; ++c) {
+      const int64_t idx = (g.flags & kSwizzledFlag) ? layout::SwizzledIndex(p * g.C + c, jb, g.cols_padded)
+                                                     : (p * nbr + jb) * g.C + c;
+      const float s = dequantize::E8M0Value(g.scale[idx]);
+      for (int i = 0; i < 32; ++i) {
+        const int64_t e = (p * g.R + 32 * jb + i) * g.C + c;
+        const uint32_t code = g.data[e];
+        const float q = g.kind == dequantize::kMxfp8E4m3 ? dequantize::Fp8Value<dequantize::kMxfp8E4m3>(code)
+                                                         : dequantize::Fp8Value<dequantize::kMxfp8E5m2>(code);
+        Store(g.out, g.out_bytes, g.out_bf16, e, cvt::Mul(q, s));
       }
-    });
+    }
     return;
   }
-  ParallelFor(g.P * g.R, g.P * g.R * g.C, kMinWork, [&](int64_t u) {
-    const int64_t p = u / g.R, r = u % g.R;
-    std::vector<float> v(g.C);
-    DequantizeRow(g, p, r, v.data());
-    for (int64_t c = 0; c < g.C; ++c) {
-      Store(g.out, g.out_bytes, g.out_bf16, transpose ? (p * g.C + c) * g.R + r : u * g.C + c, v[c]);
-    }
-  });
+  const bool transpose = g.flags & kTransposeOut;
+  const int64_t p = u / g.R, r = u % g.R;
+  std::vector<float> v(g.C);
+  DequantizeRow(g, p, r, v.data());
+  for (int64_t c = 0; c < g.C; ++c) {
+    Store(g.out, g.out_bytes, g.out_bf16, transpose ? (p * g.C + c) * g.R + r : u * g.C + c, v[c]);
+  }
+}
+
+namespace {
+
+void Run(const Geometry& g) {
+  ParallelFor(DequantizeUnits(g), g.P * g.R * g.C, kMinWork, [&](int64_t u) { DequantizeUnit(g, u); });
 }
 
 ffi::Error DequantizeImpl(ffi::AnyBuffer data, ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> amax,

@@ -15,6 +15,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_cpu_rht_amax);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_cpu_dequantize);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_cpu_swizzle);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_cpu_unswizzle);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_cpu_grouped_quantize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_cpu_grouped_dequantize);
 
 namespace {
 
@@ -39,6 +41,8 @@ NB_MODULE(_jax_fp4_cpu, m) {
         d["jf4_dequantize"] = EncapsulateFfiHandler(jf4_cpu_dequantize);
         d["jf4_swizzle"] = EncapsulateFfiHandler(jf4_cpu_swizzle);
         d["jf4_unswizzle"] = EncapsulateFfiHandler(jf4_cpu_unswizzle);
+        d["jf4_grouped_quantize"] = EncapsulateFfiHandler(jf4_cpu_grouped_quantize);
+        d["jf4_grouped_dequantize"] = EncapsulateFfiHandler(jf4_cpu_grouped_dequantize);
         return d;
       },
       "Return {target_name: PyCapsule} for every CPU FFI handler in this extension.");

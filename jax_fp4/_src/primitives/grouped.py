@@ -45,17 +45,19 @@ concrete sizes; traced sizes are checked on the device: a misaligned group is po
 NaN NVFP4 amax), see `jax_fp4.reference.grouped`. Empty groups are legal. x.size < 2**31 (int32 offsets).
 
 Lowerings: the bit-exact reference (`reference.grouped.quantize_groups` / `dequantize_groups` / `column_sums`)
-by default (CPU); on CUDA, when the extension is built, the FFI targets `jf4_grouped_quantize` /
+by default; on CUDA, when the extension is built, the FFI targets `jf4_grouped_quantize` /
 `jf4_grouped_dequantize` (cpp/grouped/: one persistent launch over all groups each, same bits; see the CUDA section
-below). vmap: `lax.map` over the batch (one unbatched call per example, so a kernel lowering serves batched calls
-too). Not differentiable (ragged_dot's custom VJP never differentiates it). Sharding: `partitioning.py` (the
-grouped row axis is gathered; K is parallel for MXFP8 quantize and MXFP8 / NVFP4 rowwise dequantize of
-SAME_BOTH_DIMS / VARYING_FIRST_DIM, otherwise the call is replicated); `local` (set by the rule's per-shard
-bind) is accepted by every rule and dropped by the lowering wrapper.
+below); on the CPU, when the CPU extension is built, the host handlers of the same names (cpp/cpu/grouped_*_cpu.cc:
+same operands and bits, any number of groups). vmap: `lax.map` over the batch (one unbatched call per example, so
+a kernel lowering serves batched calls too). Not differentiable (ragged_dot's custom VJP never differentiates it).
+Sharding: `partitioning.py` (the grouped row axis is gathered; K is parallel for MXFP8 quantize and MXFP8 / NVFP4
+rowwise dequantize of SAME_BOTH_DIMS / VARYING_FIRST_DIM, otherwise the call is replicated); `local` (set by the
+rule's per-shard bind) is accepted by every rule and dropped by the lowering wrapper.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -230,20 +232,24 @@ def reference_dequantize(data, scale, amax, first_dims, last_dims, *, fmt, axis,
 
 
 # Through the sharding rules (partitioning.py); `local` is the per-shard bind's flag, consumed by the wrapper.
-mlir.register_lowering(grouped_quantize_p, partitioning_grouped.lowering(
-    grouped_quantize_p, mlir.lower_fun(reference_quantize, multiple_results=True), "grouped_quantize"))
-mlir.register_lowering(grouped_dequantize_p, partitioning_grouped.lowering(
-    grouped_dequantize_p, mlir.lower_fun(reference_dequantize, multiple_results=False), "grouped_dequantize"))
+_reference_rules = (
+    partitioning_grouped.lowering(grouped_quantize_p, mlir.lower_fun(reference_quantize, multiple_results=True),
+                                  "grouped_quantize"),
+    partitioning_grouped.lowering(grouped_dequantize_p, mlir.lower_fun(reference_dequantize, multiple_results=False),
+                                  "grouped_dequantize"))
+mlir.register_lowering(grouped_quantize_p, _reference_rules[0])
+mlir.register_lowering(grouped_dequantize_p, _reference_rules[1])
 
 
-# ---- CUDA lowering (cpp/grouped/) -------------------------------------------------------------------------------
+# ---- CUDA and CPU lowerings (cpp/grouped/, cpp/cpu/) ----------------------------------------------------------
 # One persistent launch per call: `jf4_grouped_quantize` (the per-group NVFP4 amax pass unless every amax is given,
 # then the quantize; an extra float32[2N + 1] scratch result holds the per-group amaxes it encodes with and the
 # kernel's scheduling counter, float32[1] without NVFP4) and
 # `jf4_grouped_dequantize`. Group sizes stay on the device. The pairings one launch does not serve (MXFP8 rowwise
-# with NVFP4 or the other MXFP8 columnwise) run two launches; more than MAX_KERNEL_GROUPS groups run the reference.
-# dbias is the reference's column sums (XLA ops).
-CUDA_TARGETS = ("jf4_grouped_quantize", "jf4_grouped_dequantize")
+# with NVFP4 or the other MXFP8 columnwise) run two launches; on CUDA more than MAX_KERNEL_GROUPS groups run the
+# reference (the CPU handlers keep their group table on the host: no limit). dbias is the reference's column sums
+# (XLA ops).
+FFI_TARGETS = ("jf4_grouped_quantize", "jf4_grouped_dequantize")
 MAX_KERNEL_GROUPS = 1024  # cpp/grouped/group_table.cuh kMaxGroups (the group table lives in shared memory)
 # jf4_grouped_quantize attributes: row_kind / col_kind and flags = row options | col options << COL_SHIFT, with the
 # kinds and options of jf4_quantize (NVFP4 SR and RHT only); jf4_grouped_dequantize: kind and GroupedDequantizeFlag
@@ -294,12 +300,12 @@ def _kernel_quantize(x, first_dims, last_dims, key_row, key_col, amax_in, *, row
     return tuple(outs[:6])
 
 
-def cuda_quantize(x, first_dims, last_dims, key_row, key_col, amax_in, *, row_fmt, col_fmt, representation, dbias,
-                  amax_given):
-    """The CUDA lowering's function (module docstring semantics; the reference beyond MAX_KERNEL_GROUPS)."""
+def kernel_quantize(x, first_dims, last_dims, key_row, key_col, amax_in, *, row_fmt, col_fmt, representation, dbias,
+                    amax_given, max_groups=None):
+    """The FFI lowering's function (module docstring semantics; the reference beyond `max_groups` groups)."""
     params = dict(row_fmt=row_fmt, col_fmt=col_fmt, representation=representation, dbias=dbias,
                   amax_given=amax_given)
-    if first_dims.shape[0] > MAX_KERNEL_GROUPS:
+    if max_groups is not None and first_dims.shape[0] > max_groups:
         return reference_quantize(x, first_dims, last_dims, key_row, key_col, amax_in, **params)
     outs = _kernel_quantize(x, first_dims, last_dims, key_row, key_col, amax_in, row_fmt=row_fmt, col_fmt=col_fmt,
                             amax_given=amax_given)
@@ -307,8 +313,10 @@ def cuda_quantize(x, first_dims, last_dims, key_row, key_col, amax_in, *, row_fm
     return (*outs, db)
 
 
-def cuda_dequantize(data, scale, amax, first_dims, last_dims, *, fmt, axis, x_shape, out_dtype, raw):
-    if first_dims.shape[0] > MAX_KERNEL_GROUPS:
+def kernel_dequantize(data, scale, amax, first_dims, last_dims, *, fmt, axis, x_shape, out_dtype, raw,
+                      max_groups=None):
+    """The FFI lowering's function of `jf4_grouped_dequantize` (the reference beyond `max_groups` groups)."""
+    if max_groups is not None and first_dims.shape[0] > max_groups:
         return reference_dequantize(data, scale, amax, first_dims, last_dims, fmt=fmt, axis=axis, x_shape=x_shape,
                                     out_dtype=out_dtype, raw=raw)
     if raw or not _tensor_scale(fmt):
@@ -317,13 +325,27 @@ def cuda_dequantize(data, scale, amax, first_dims, last_dims, *, fmt, axis, x_sh
     return call(data, scale, amax, first_dims, last_dims, **dequantize_flags(fmt, axis, raw))
 
 
-if _ffi.ensure_registered() and all(t in _ffi.targets() for t in CUDA_TARGETS):
-    mlir.register_lowering(grouped_quantize_p, partitioning_grouped.lowering(
-        grouped_quantize_p, mlir.lower_fun(cuda_quantize, multiple_results=True), "grouped_quantize"),
-        platform="cuda")
-    mlir.register_lowering(grouped_dequantize_p, partitioning_grouped.lowering(
-        grouped_dequantize_p, mlir.lower_fun(cuda_dequantize, multiple_results=False), "grouped_dequantize"),
-        platform="cuda")
+def _kernel_rules(max_groups):
+    """The (quantize, dequantize) lowering rules through the FFI targets, the reference beyond `max_groups`."""
+    q = functools.partial(kernel_quantize, max_groups=max_groups)
+    dq = functools.partial(kernel_dequantize, max_groups=max_groups)
+    return (partitioning_grouped.lowering(grouped_quantize_p, mlir.lower_fun(q, multiple_results=True),
+                                          "grouped_quantize"),
+            partitioning_grouped.lowering(grouped_dequantize_p, mlir.lower_fun(dq, multiple_results=False),
+                                          "grouped_dequantize"))
+
+
+if _ffi.ensure_registered() and all(t in _ffi.targets() for t in FFI_TARGETS):
+    _cuda_rules = _kernel_rules(MAX_KERNEL_GROUPS)
+    mlir.register_lowering(grouped_quantize_p, _cuda_rules[0], platform="cuda")
+    mlir.register_lowering(grouped_dequantize_p, _cuda_rules[1], platform="cuda")
+
+# The CPU handlers (cpp/cpu/grouped_*_cpu.cc) take the same operands, attributes and pairings, with no group limit;
+# inside ffi.reference_lowering_on_cpu() the CPU lowers to the reference.
+if _ffi.ensure_cpu_registered() and all(t in _ffi.cpu_targets() for t in FFI_TARGETS):
+    _cpu_rules = _kernel_rules(None)
+    mlir.register_lowering(grouped_quantize_p, _ffi.cpu_rule(_cpu_rules[0], _reference_rules[0]), platform="cpu")
+    mlir.register_lowering(grouped_dequantize_p, _ffi.cpu_rule(_cpu_rules[1], _reference_rules[1]), platform="cpu")
 
 
 # ---- batching: one unbatched call per example -------------------------------------------------------------------
