@@ -9,7 +9,8 @@
 //    bfloat16 (<= 6 significant bits for NVFP4: always exact; MXFP8 rounds as the emulation's dequantize does,
 //    RN_bf16(RN_f32(value * 2^(e-127)))), and stores them into that K-tile's shared-memory stage while the current
 //    tile's WGMMAs run asynchronously (one batch stays in flight across the barrier, three stages);
-//  * the codes of the K-tile after that are already in flight in registers (loaded one iteration ahead);
+//  * the codes of the K-tile after that are loaded into a second register set at the start of the iteration, so
+//    their global latency hides behind the decode;
 //  * NVFP4 1x64: the K-tile is one window; its WGMMAs accumulate into a zeroed temporary fragment, promoted into the
 //    accumulator as acc += (tmp * fa[m]) * fb[n] (fa = RN(1 / S_enc,w) of row m's window, from the window amax);
 //  * the epilogue multiplies by ta then tb (NVFP4 tensor scales amax * fp32(1/2688), 1 otherwise), adds the bias,
@@ -103,10 +104,12 @@ __device__ __forceinline__ void LoadFp8(Fp8Regs& r, const uint8_t* data, const u
 }
 
 // The 1x64 decode factor RN(1 / S_enc,w) of a window with amax A: S_enc,w = min(2688 / max(A, 1e-12), FLT_MAX),
-// 1 for A == 0 (docs/numerics.md section 1, the reference's quantize_1x64 / dequantize), both divisions IEEE.
+// 1 for A == 0 (docs/numerics.md section 1, the reference's quantize_1x64 / dequantize), both divisions IEEE. A NaN
+// amax gives S_enc,w = FLT_MAX, as the reference's min on the bit patterns does.
 __device__ __forceinline__ float WindowFactor(float amax) {
+  constexpr float kFltMax = 3.402823466e38f;
   if (amax == 0.0f) return 1.0f;
-  const float s = fminf(__fdiv_rn(2688.0f, fmaxf(amax, cvt::kWindowFloor())), 3.402823466e38f);
+  const float s = amax != amax ? kFltMax : fminf(__fdiv_rn(2688.0f, fmaxf(amax, cvt::kWindowFloor())), kFltMax);
   return __fdiv_rn(1.0f, s);
 }
 
@@ -255,26 +258,31 @@ __global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
   Tensor tCcC = thr_mma.partition_C(cC);           // the (m, n) of each accumulator element, tile-relative
   clear(acc);
 
-  typename OperandRegs<kFp4A>::type ra;
-  typename OperandRegs<kFp4B>::type rb[Cfg::kBHalfRows];
-  auto load = [&](int64_t kt) {
-    Load<kFp4A, kLocal>(ra, p.a, p.a_scale, p.a_aux, m0 + drow, p.M, p.K, kt, dhalf);
+  // Codes of one K-tile in registers: `cur` holds the K-tile decoded next, `nxt` the one after it, loaded an
+  // iteration before its use so that the global latency hides behind a whole decode.
+  struct Regs {
+    typename OperandRegs<kFp4A>::type a;
+    typename OperandRegs<kFp4B>::type b[Cfg::kBHalfRows];
+  };
+  Regs cur, nxt;
+  auto load = [&](Regs& r, int64_t kt) {
+    Load<kFp4A, kLocal>(r.a, p.a, p.a_scale, p.a_aux, m0 + drow, p.M, p.K, kt, dhalf);
 #pragma unroll
     for (int i = 0; i < Cfg::kBHalfRows; ++i) {
-      Load<kFp4B, kLocal>(rb[i], p.b, p.b_scale, p.b_aux, n0 + 128 * i + drow, p.N, p.K, kt, dhalf);
+      Load<kFp4B, kLocal>(r.b[i], p.b, p.b_scale, p.b_aux, n0 + 128 * i + drow, p.N, p.K, kt, dhalf);
     }
   };
-  auto decode = [&](int st) {
-    Decode<kFp4A, kLocal>(ra, sA, smem.fa[st], drow, dhalf, st, p.a_e5m2);
+  auto decode = [&](const Regs& r, int st) {
+    Decode<kFp4A, kLocal>(r.a, sA, smem.fa[st], drow, dhalf, st, p.a_e5m2);
 #pragma unroll
     for (int i = 0; i < Cfg::kBHalfRows; ++i) {
-      Decode<kFp4B, kLocal>(rb[i], sB, smem.fb[st], 128 * i + drow, dhalf, st, p.b_e5m2);
+      Decode<kFp4B, kLocal>(r.b[i], sB, smem.fb[st], 128 * i + drow, dhalf, st, p.b_e5m2);
     }
   };
   if (KT > 0) {
-    load(0);
-    decode(0);
-    if (KT > 1) load(1);
+    load(cur, 0);
+    decode(cur, 0);
+    if (KT > 1) load(cur, 1);
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> visible to the WGMMA (async proxy) reads
     __syncthreads();
   }
@@ -292,16 +300,17 @@ __global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
     }
     warpgroup_commit_batch();
   };
-  // Decodes K-tile kt + 1 (in registers) into its stage `next`, whose last readers (the WGMMAs of K-tile
-  // kt + 1 - kStages, and for 1x64 the promotion of its factors) completed before the barrier ending the previous
-  // iteration (at most one WGMMA batch stays outstanding there); then loads K-tile kt + 2's codes into the same
-  // registers.
+  // Loads K-tile kt + 2's codes (into `nxt`) and decodes K-tile kt + 1 (in `cur`) into its stage `next`, whose last
+  // readers (the WGMMAs of K-tile kt + 1 - kStages, and for 1x64 the promotion of its factors) completed before the
+  // barrier ending the previous iteration (at most one WGMMA batch stays outstanding there); then moves `nxt` to `cur`
+  // (the move waits for the loads, a decode later).
   auto prepare_next = [&](int64_t kt, int next) {
+    if (kt + 2 < KT) load(nxt, kt + 2);
     if (kt + 1 < KT) {
-      decode(next);
-      if (kt + 2 < KT) load(kt + 2);
+      decode(cur, next);
       cutlass::arch::fence_view_async_shared();
     }
+    if (kt + 2 < KT) cur = nxt;
   };
   auto advance = [](int st) { return st + 1 == kStages ? 0 : st + 1; };
 
