@@ -52,6 +52,8 @@ MEM_CAP_BYTES = 6 << 30  # cap on the rotated input sets (the step's outputs and
 REPEAT_BUDGET_S = 2.0
 DN = (((1,), (0,)), ((), ()))  # x[M, K] . w[K, N]
 TARGET_RECIPE, TARGET_STEP, TARGET_RESIDUAL = "nvfp4-fwd-mxfp8-bwd", 1.25, 0.6
+#: step-ratio targets of the jf4_gemm route (rows whose three GEMMs run on the kernel)
+KERNEL_TARGETS = {"nvfp4-fwd-mxfp8-bwd": 1.05, "nvfp4-1x64": 1.15}
 JNN = {"jax.nn mxfp8": "mxfp8", "jax.nn nvfp4": "nvfp4"}
 
 
@@ -176,7 +178,8 @@ def main():
         "implementations": list(impls),
         "method": (f"one compiled step over <= {NBUF} rotated input sets, 2 warm-up calls, best of {args.repeats} x "
                    f"<= {args.iters} calls, block_until_ready"),
-        "targets": {"recipe": TARGET_RECIPE, "step_ratio_max": TARGET_STEP, "residual_ratio_max": TARGET_RESIDUAL},
+        "targets": {"recipe": TARGET_RECIPE, "step_ratio_max": TARGET_STEP, "residual_ratio_max": TARGET_RESIDUAL,
+                    "kernel_step_ratio_max": KERNEL_TARGETS},
         "copy_GBps": {}, "rows": [],
     }
     print(f"device: {results['device']}  jax {results['jax']}  CUDA kernels: {ffi.HAS_CUDA_KERNELS}  native "
@@ -244,6 +247,16 @@ def main():
         verdict = {True: "MEETS", False: "MISSES", None: "n/a"}
         print(f"  {r['recipe']:<34} {r['shape_name']:<16} step {_f(r['step_ratio'], '.3f')}x: {verdict[ok_t]:<6}  "
               f"residual {_f(r['residual_ratio'], '.3f')}x: {verdict[ok_r]}")
+    kernel_rows = [r for r in rows if r.get("routes") and set(r["routes"].values()) == {"kernel"}
+                   and r["recipe"].split(" [")[0] in KERNEL_TARGETS]
+    if kernel_rows:
+        print("jf4_gemm route targets: " + ", ".join(f"{k} <= {v}x bf16" for k, v in KERNEL_TARGETS.items()))
+        results["targets"]["kernel_by_row"] = {}
+        for r in kernel_rows:
+            ok = None if r["step_ratio"] is None else r["step_ratio"] <= KERNEL_TARGETS[r["recipe"].split(" [")[0]]
+            results["targets"]["kernel_by_row"][f"{r['recipe']} {r['shape_name']}"] = ok
+            print(f"  {r['recipe']:<34} {r['shape_name']:<16} step {_f(r['step_ratio'], '.3f')}x: "
+                  f"{ {True: 'MEETS', False: 'MISSES', None: 'n/a'}[ok] }")
     if not native and not results["kernel_gemm"]:
         print("  note: no native block-scaled GEMM and no jf4_gemm kernel on this device; quantized steps use the "
               "emulated GEMM")
