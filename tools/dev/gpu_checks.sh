@@ -5,7 +5,9 @@
 #                     tools/golden/ref.npz from `python -P tools/golden/make.py`)
 #   pytest            pytest -m gpu tests
 #   sanitize          compute-sanitizer memcheck and racecheck of tools/golden/sanitize.py
-#   bench-quantize, bench-dequantize, bench-dense, bench-amax   the benchmarks/ tables (JSON to $OUT)
+#   pytest-gemm       pytest -m gpu of the jf4_gemm tests (tests/test_gemm_kernel.py, tests/test_gemm_primitive.py)
+#   bench-quantize, bench-dequantize, bench-dense, bench-amax, bench-gemm   the benchmarks/ tables (JSON to $OUT)
+#   bench-dense-routes  benchmarks/dense.py on the jf4_gemm and the emulated route of each quantized recipe
 #   ncu-quantize      ncu sections of the NVFP4 row+col quantize kernel at 8192x8192
 #   profile-dense     tools/profile_dense.py: a dense step's GPU time by kernel
 # Usage, from the repository root on a CUDA machine:
@@ -28,6 +30,8 @@ for step in "${steps[@]}"; do
             grep -E "^(BAD|ERR)" "$OUT/golden.log" | head -20 ;;
     pytest) timeout 400 python3 -P -m pytest -q -rf -m gpu -p no:cacheprovider "$R/tests" > "$OUT/pytest.log" 2>&1;
             tail -5 "$OUT/pytest.log" ;;
+    pytest-gemm) timeout 500 python3 -P -m pytest -q -rf -m gpu -p no:cacheprovider "$R/tests/test_gemm_kernel.py" \
+                   "$R/tests/test_gemm_primitive.py" > "$OUT/pytest_gemm.log" 2>&1; tail -5 "$OUT/pytest_gemm.log" ;;
     sanitize) for tool in memcheck racecheck; do
                 timeout 90 compute-sanitizer --tool $tool --error-exitcode 9 python3 -P "$R/tools/golden/sanitize.py" \
                   > "$OUT/san_$tool.log" 2>&1
@@ -47,6 +51,11 @@ for step in "${steps[@]}"; do
     profile-dense) timeout 300 python3 -P "$R/tools/profile_dense.py" --recipes bf16,mxfp8,nvfp4-fwd-mxfp8-bwd,nvfp4 \
                      --json "$OUT/profile_dense.json" > "$OUT/profile_dense.log" 2>&1; echo "profile rc=$?";
                    grep -A8 "^== " "$OUT/profile_dense.log" ;;
+    bench-gemm) timeout 500 python3 -P "$R/benchmarks/gemm.py" --out "$OUT/gemm.json" > "$OUT/bench_gemm.log" 2>&1;
+                tail -45 "$OUT/bench_gemm.log" ;;
+    bench-dense-routes) timeout 550 python3 -P "$R/benchmarks/dense.py" --implementations auto,emulated \
+                          --recipes mxfp8,nvfp4-fwd-mxfp8-bwd,nvfp4-1x64 --out "$OUT/dense_routes.json" \
+                          > "$OUT/bench_dense_routes.log" 2>&1; tail -30 "$OUT/bench_dense_routes.log" ;;
     bench-amax) timeout 100 python3 -P "$R/benchmarks/amax.py" --out "$OUT/amax.json" > "$OUT/bench_amax.log" 2>&1;
                 tail -8 "$OUT/bench_amax.log" ;;
     *) echo "unknown step $step" ;;
