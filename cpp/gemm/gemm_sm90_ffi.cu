@@ -46,12 +46,27 @@ cudaError_t ComputeCapability(int* cc) {
   return cudaSuccess;
 }
 
+// Raises the kernel's dynamic shared memory limit once per device (a host-side function attribute, set outside any
+// CUDA-graph capture after the first call on the device).
+template <typename Kernel>
+cudaError_t AllowSharedMemory(Kernel* kernel, int bytes) {
+  static std::atomic<uint64_t> done{0};  // bit d: set on device d (devices 0..63; others set it every call)
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const uint64_t bit = device >= 0 && device < 64 ? uint64_t(1) << device : 0;
+  if (bit && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess && bit) done.fetch_or(bit, std::memory_order_release);
+  return err;
+}
+
 template <bool kFp4A, bool kFp4B, bool kLocal>
 cudaError_t Launch(const Params& p, cudaStream_t stream) {
   auto* kernel = gemm::GemmKernel<kFp4A, kFp4B, kLocal>;
   using Cfg = gemm::Config<kLocal>;
   constexpr int kSmem = int(sizeof(typename Cfg::SharedStorage));
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  cudaError_t err = AllowSharedMemory(kernel, kSmem);
   if (err != cudaSuccess) return err;
   const int64_t tiles = ((p.M + gemm::kBM - 1) / gemm::kBM) * ((p.N + Cfg::kBN - 1) / Cfg::kBN);
   kernel<<<dim3(unsigned(tiles)), dim3(gemm::kThreads), kSmem, stream>>>(p);
