@@ -69,34 +69,49 @@ struct Fp8Regs {
   uint32_t s;  // its E8M0 block scale
 };
 
-// Loads with a bounds check on the row and on K (whole blocks: K is a multiple of the block size, so each block is
-// either inside or outside). Rows / blocks outside read as zero codes with zero scale codes: decoded, exact zeros.
-template <bool kLocal>
-__device__ __forceinline__ void LoadFp4(Fp4Regs& r, const uint8_t* data, const uint8_t* scale, const float* aux,
-                                        int64_t row, int64_t rows, int64_t K, int64_t kt, int half) {
+// One thread's half row of an operand: its codes, block scales and (1x64) window amax at K-tile 0, and whether the
+// row exists. Computed once; a K-tile's loads then only add the K-tile's offset.
+struct HalfRow {
+  const uint8_t* data;   // code byte of k = 32 * half
+  const uint8_t* scale;  // its block scale
+  const float* aux;      // the row's window amax (1x64)
+  bool in;               // row < rows (else every load reads as zero)
+};
+
+template <bool kFp4>
+__device__ __forceinline__ HalfRow MakeHalfRow(const uint8_t* data, const uint8_t* scale, const float* aux,
+                                               int64_t row, int64_t rows, int64_t K, int half) {
   const bool in = row < rows;
+  const int64_t r = in ? row : 0;
+  const int64_t code_bytes = kFp4 ? K / 2 : K, scale_bytes = kFp4 ? K / 16 : K / 32;
+  return HalfRow{data + r * code_bytes + (kFp4 ? 16 : 32) * half, scale + r * scale_bytes + (kFp4 ? 2 : 1) * half,
+                 aux + r * (K / 64), in};
+}
+
+// Loads K-tile kt of a half row with a bounds check on K (whole blocks: K is a multiple of the block size, so each
+// block is either inside or outside). Rows / blocks outside read as zero codes with zero scale codes: decoded,
+// exact zeros. k = kt * 64 + 32 * half (+ 16 j) is below 2^31 (the handler checks K).
+template <bool kLocal>
+__device__ __forceinline__ void LoadFp4(Fp4Regs& r, const HalfRow& h, int K, int kt, int half) {
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    const int64_t k = kt * kBK + 32 * half + 16 * j;
-    if (in && k < K) {
-      r.d[j] = __ldg(reinterpret_cast<const uint2*>(data + row * (K / 2) + k / 2));
-      r.s[j] = __ldg(scale + row * (K / 16) + k / 16);
+    if (h.in && kt * kBK + 32 * half + 16 * j < K) {
+      r.d[j] = __ldg(reinterpret_cast<const uint2*>(h.data + kt * (kBK / 2) + 8 * j));
+      r.s[j] = __ldg(h.scale + kt * (kBK / 16) + j);
     } else {
       r.d[j] = make_uint2(0u, 0u);
       r.s[j] = 0u;
     }
   }
-  if constexpr (kLocal) r.w = in ? __ldg(aux + row * (K / 64) + kt) : 0.0f;
+  if constexpr (kLocal) r.w = h.in ? __ldg(h.aux + kt) : 0.0f;
 }
 
-__device__ __forceinline__ void LoadFp8(Fp8Regs& r, const uint8_t* data, const uint8_t* scale, int64_t row,
-                                        int64_t rows, int64_t K, int64_t kt, int half) {
-  const int64_t k = kt * kBK + 32 * half;
-  if (row < rows && k < K) {
-    const uint4* p = reinterpret_cast<const uint4*>(data + row * K + k);
-    r.d[0] = __ldg(p);
-    r.d[1] = __ldg(p + 1);
-    r.s = __ldg(scale + row * (K / 32) + k / 32);
+__device__ __forceinline__ void LoadFp8(Fp8Regs& r, const HalfRow& h, int K, int kt, int half) {
+  if (h.in && kt * kBK + 32 * half < K) {
+    const uint4* q = reinterpret_cast<const uint4*>(h.data + kt * kBK);
+    r.d[0] = __ldg(q);
+    r.d[1] = __ldg(q + 1);
+    r.s = __ldg(h.scale + kt * (kBK / 32));
   } else {
     r.d[0] = r.d[1] = make_uint4(0u, 0u, 0u, 0u);
     r.s = 0u;
@@ -194,12 +209,11 @@ template <>
 struct OperandRegs<false> { using type = Fp8Regs; };
 
 template <bool kFp4, bool kLocal>
-__device__ __forceinline__ void Load(typename OperandRegs<kFp4>::type& r, const uint8_t* data, const uint8_t* scale,
-                                     const float* aux, int64_t row, int64_t rows, int64_t K, int64_t kt, int half) {
+__device__ __forceinline__ void Load(typename OperandRegs<kFp4>::type& r, const HalfRow& h, int K, int kt, int half) {
   if constexpr (kFp4) {
-    LoadFp4<kLocal>(r, data, scale, aux, row, rows, K, kt, half);
+    LoadFp4<kLocal>(r, h, K, kt, half);
   } else {
-    LoadFp8(r, data, scale, row, rows, K, kt, half);
+    LoadFp8(r, h, K, kt, half);
   }
 }
 
@@ -245,7 +259,7 @@ __global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
   // (one of A's 256 half rows; kBHalfRows of B's).
   const int tid = threadIdx.x;
   const int drow = tid >> 1, dhalf = tid & 1;
-  const int64_t KT = (p.K + kBK - 1) / kBK;
+  const int KT = int((p.K + kBK - 1) / kBK);
 
   typename Cfg::TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(tid);
@@ -265,12 +279,17 @@ __global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
     typename OperandRegs<kFp4B>::type b[Cfg::kBHalfRows];
   };
   Regs cur, nxt;
-  auto load = [&](Regs& r, int64_t kt) {
-    Load<kFp4A, kLocal>(r.a, p.a, p.a_scale, p.a_aux, m0 + drow, p.M, p.K, kt, dhalf);
+  const HalfRow ha = MakeHalfRow<kFp4A>(p.a, p.a_scale, p.a_aux, m0 + drow, p.M, p.K, dhalf);
+  HalfRow hb[Cfg::kBHalfRows];
 #pragma unroll
-    for (int i = 0; i < Cfg::kBHalfRows; ++i) {
-      Load<kFp4B, kLocal>(r.b[i], p.b, p.b_scale, p.b_aux, n0 + 128 * i + drow, p.N, p.K, kt, dhalf);
-    }
+  for (int i = 0; i < Cfg::kBHalfRows; ++i) {
+    hb[i] = MakeHalfRow<kFp4B>(p.b, p.b_scale, p.b_aux, n0 + 128 * i + drow, p.N, p.K, dhalf);
+  }
+  const int K = int(p.K);
+  auto load = [&](Regs& r, int kt) {
+    Load<kFp4A, kLocal>(r.a, ha, K, kt, dhalf);
+#pragma unroll
+    for (int i = 0; i < Cfg::kBHalfRows; ++i) Load<kFp4B, kLocal>(r.b[i], hb[i], K, kt, dhalf);
   };
   auto decode = [&](const Regs& r, int st) {
     Decode<kFp4A, kLocal>(r.a, sA, smem.fa[st], drow, dhalf, st, p.a_e5m2);
@@ -304,7 +323,7 @@ __global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
   // readers (the WGMMAs of K-tile kt + 1 - kStages, and for 1x64 the promotion of its factors) completed before the
   // barrier ending the previous iteration (at most one WGMMA batch stays outstanding there); then moves `nxt` to `cur`
   // (the move waits for the loads, a decode later).
-  auto prepare_next = [&](int64_t kt, int next) {
+  auto prepare_next = [&](int kt, int next) {
     if (kt + 2 < KT) load(nxt, kt + 2);
     if (kt + 1 < KT) {
       decode(cur, next);
@@ -316,7 +335,7 @@ __global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
 
   if constexpr (!kLocal) {
     int st = 0;  // the stage of K-tile kt
-    for (int64_t kt = 0; kt < KT; ++kt) {
+    for (int kt = 0; kt < KT; ++kt) {
       const int next = advance(st);
       mma(st, acc, false);
       prepare_next(kt, next);
@@ -330,7 +349,7 @@ __global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
     // next K-tile's WGMMAs makes ptxas serialize every WGMMA: it reads accumulator registers inside the pipeline.)
     auto tmp = make_fragment_like(acc);
     int st = 0;
-    for (int64_t kt = 0; kt < KT; ++kt) {
+    for (int kt = 0; kt < KT; ++kt) {
       const int next = advance(st);
       mma(st, tmp, true);
       prepare_next(kt, next);
