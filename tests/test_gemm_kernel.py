@@ -1,7 +1,7 @@
 """The Hopper block-scaled GEMM kernel (`jf4_gemm` FFI target, cpp/gemm/) called directly through `jax.ffi.ffi_call`.
 
-Operands are quantized on the CPU (the reference quantize, exact) and shipped as raw codes; the GPU function rebuilds
-the float4 / float8 arrays and calls the target. Each result is compared with a float64 product of the exactly decoded
+Operands are quantized with `jax_fp4.quantize` and shipped as raw codes; the GPU function rebuilds the float4 /
+float8 arrays and calls the target. Each result is compared with a float64 product of the exactly decoded
 operands (`_gemm_util.decode`) within the fp32-accumulation bound (`_gemm_util` module docstring, Higham eq. 3.5):
   * NVFP4 / MXFP8 operands: every product value(q) * s_b times value(q) * s_b is exact (<= 12 significant bits), the
     fp32 sum of K terms in any order is within gamma_K * A (A = sum |a_k b_k|), and each NVFP4 tensor scale adds two
@@ -58,18 +58,34 @@ def _kind(fmt) -> int:
     return int(Kind.MXFP8_E5M2 if fmt.element == "e5m2" else Kind.MXFP8_E4M3)
 
 
-def quantize_cpu(x, fmt):
-    """x [R, K] -> (QuantizedArray on the CPU, raw leaves {data, scale: uint8 codes; aux: float32} as numpy)."""
+@functools.cache
+def _quantizer(fmt):
+    """jit: x -> raw leaves of quantize(x, fmt) (uint8 codes, float32 amaxes: no float4 array crosses the host)."""
+    def f(x):
+        q = jax_fp4.quantize(x, fmt, axis=-1)
+        raw = {"data": codes.from_dtype(q.data).astype(jnp.uint8), "scale": codes.from_dtype(q.scale).astype(jnp.uint8)}
+        if fmt.local_1x64:
+            raw["aux"] = q.window_amax
+        elif isinstance(fmt, NVFP4):
+            raw["aux"] = q.amax.reshape(())
+        else:
+            raw["aux"] = jnp.zeros((0,), jnp.float32)
+        return raw
+    return jax.jit(f)
+
+
+def quantize_raw(x, fmt):
+    """x [R, K] -> (QuantizedArray on the CPU, its raw leaves {data, scale: uint8 codes; aux: float32} as numpy).
+
+    Quantized on the default device (the CUDA quantize kernels, bit for bit the reference's; the GEMM is checked
+    against this very QuantizedArray, decoded exactly, so the check does not depend on them)."""
+    raw = {k: np.asarray(v) for k, v in jax.device_get(_quantizer(fmt)(jnp.asarray(x))).items()}
     with jax.default_device(_cpu()):
-        q = jax.jit(functools.partial(jax_fp4.quantize, fmt=fmt, axis=-1))(jnp.asarray(x))
-        raw = {"data": np.asarray(codes.from_dtype(q.data)).astype(np.uint8),
-               "scale": np.asarray(codes.from_dtype(q.scale)).astype(np.uint8)}
-    if fmt.local_1x64:
-        raw["aux"] = np.asarray(q.window_amax, np.float32)
-    elif isinstance(fmt, NVFP4):
-        raw["aux"] = np.asarray(q.amax, np.float32).reshape(())
-    else:
-        raw["aux"] = np.zeros((0,), np.float32)
+        q = jax_fp4.QuantizedArray(
+            codes.to_dtype(jnp.asarray(raw["data"], jnp.uint32), fmt.data_dtype),
+            codes.to_dtype(jnp.asarray(raw["scale"], jnp.uint32), fmt.scale_dtype),
+            jnp.asarray(raw["aux"]) if fmt.has_tensor_amax else None,
+            jnp.asarray(raw["aux"]) if fmt.local_1x64 else None, fmt=fmt, axis=-1, scale_layout="compact")
     return q, raw
 
 
@@ -160,29 +176,30 @@ def _shapes(pair):
 
 @pytest.mark.parametrize("pair", sorted(PAIRS))
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-def test_product_within_bound(rng, pair, out_dtype, with_bias):
+def test_product_within_bound(rng, pair, out_dtype):
+    """Every shape without and with a bias: the output within the bound, out_amax exact."""
     fa, fb = PAIRS[pair]
     for m, n, k in _shapes(pair):
-        qa, ra = quantize_cpu(random_x(rng, (m, k)), fa)
-        qb, rb = quantize_cpu(random_x(rng, (n, k)), fb)
-        bias = rng.standard_normal(n).astype(np.float32) if with_bias else np.zeros((0,), np.float32)
-        out, amax = run_gemm(ra, fa, rb, fb, bias, out_dtype)
-        assert out.dtype == jnp.dtype(out_dtype)
-        ref, bound = reference(qa, qb, bias, out_dtype)
-        what = f"{pair} {m}x{n}x{k} {jnp.dtype(out_dtype).name} bias={with_bias}"
-        assert_within(out, ref, bound, what)
-        assert_amax(out, amax, what)
+        qa, ra = quantize_raw(random_x(rng, (m, k)), fa)
+        qb, rb = quantize_raw(random_x(rng, (n, k)), fb)
+        for bias in (np.zeros((0,), np.float32), rng.standard_normal(n).astype(np.float32)):
+            out, amax = run_gemm(ra, fa, rb, fb, bias, out_dtype)
+            assert out.dtype == jnp.dtype(out_dtype)
+            ref, bound = reference(qa, qb, bias, out_dtype)
+            what = f"{pair} {m}x{n}x{k} {jnp.dtype(out_dtype).name} bias={bool(bias.size)}"
+            assert_within(out, ref, bound, what)
+            assert_amax(out, amax, what)
 
 
 def test_bound_rejects_a_wrong_product(rng):
     """The bound is tight enough to see one code's worth of error: the product with one A element's code changed
     (the next E4M3 magnitude) lies outside it."""
     fa = fb = MXFP8()
-    qa, ra = quantize_cpu(random_x(rng, (64, 128)), fa)
-    qb, rb = quantize_cpu(random_x(rng, (64, 128)), fb)
+    qa, ra = quantize_raw(random_x(rng, (64, 128)), fa)
+    qb, rb = quantize_raw(random_x(rng, (64, 128)), fb)
     bad = {**ra, "data": ra["data"].copy()}
-    bad["data"][5, 7] = (bad["data"][5, 7] & 0x80) | min((bad["data"][5, 7] & 0x7F) + 1, 0x7E)
+    k = int(np.flatnonzero(((bad["data"][5] & 0x7F) > 0x08) & ((bad["data"][5] & 0x7F) < 0x7E))[0])  # a normal code
+    bad["data"][5, k] += 1  # the next magnitude, same sign
     out, _ = run_gemm(bad, fa, rb, fb, np.zeros((0,), np.float32))
     ref, bound = reference(qa, qb, None, jnp.float32)
     assert np.any(np.abs(out.astype(np.float64) - ref) > bound)
@@ -190,8 +207,8 @@ def test_bound_rejects_a_wrong_product(rng):
 
 def test_amax_not_emitted_leaves_result_alone(rng):
     fa = fb = NVFP4()
-    _, ra = quantize_cpu(random_x(rng, (40, 64)), fa)
-    _, rb = quantize_cpu(random_x(rng, (24, 64)), fb)
+    _, ra = quantize_raw(random_x(rng, (40, 64)), fa)
+    _, rb = quantize_raw(random_x(rng, (24, 64)), fb)
     out, _ = run_gemm(ra, fa, rb, fb, np.zeros((0,), np.float32), emit_amax=False)
     out2, amax = run_gemm(ra, fa, rb, fb, np.zeros((0,), np.float32), emit_amax=True)
     assert out.tobytes() == out2.tobytes()
@@ -204,8 +221,8 @@ def test_nan_propagates(rng, out_dtype):
     (E8M0 0xFF) of row 70 of B makes column 70 NaN; every other output stays within the bound."""
     fa = fb = MXFP8()
     m, n, k = 130, 140, 192
-    qa, ra = quantize_cpu(random_x(rng, (m, k)), fa)
-    qb, rb = quantize_cpu(random_x(rng, (n, k)), fb)
+    qa, ra = quantize_raw(random_x(rng, (m, k)), fa)
+    qb, rb = quantize_raw(random_x(rng, (n, k)), fb)
     ra = {**ra, "data": ra["data"].copy()}
     rb = {**rb, "scale": rb["scale"].copy()}
     ra["data"][3, 100] = 0x7F
@@ -224,16 +241,16 @@ def test_rejects_bad_calls(rng):
     """Mismatched contracting sizes, a 1x64 operand paired with a non-1x64 one and a wrong scale shape are FFI errors
     naming the problem."""
     fa = fb = NVFP4()
-    _, ra = quantize_cpu(random_x(rng, (16, 64)), fa)
-    _, rb = quantize_cpu(random_x(rng, (16, 128)), fb)
+    _, ra = quantize_raw(random_x(rng, (16, 64)), fa)
+    _, rb = quantize_raw(random_x(rng, (16, 128)), fb)
     with pytest.raises(Exception, match="contracting sizes differ"):
         run_gemm(ra, fa, rb, fb, np.zeros((0,), np.float32))
-    _, rb = quantize_cpu(random_x(rng, (16, 64)), fb)
+    _, rb = quantize_raw(random_x(rng, (16, 64)), fb)
     bad = {**ra, "scale": ra["scale"][:, :2]}
     with pytest.raises(Exception, match="a_scale must be the compact"):
         run_gemm(bad, fa, rb, fb, np.zeros((0,), np.float32))
     fl = NVFP4(local_1x64=True)
-    _, rl = quantize_cpu(random_x(rng, (64, 64)), fl)
+    _, rl = quantize_raw(random_x(rng, (64, 64)), fl)
     with pytest.raises(Exception, match="1x64 operands pair only"):
         run_gemm(rl, fl, rb, fb, np.zeros((0,), np.float32))
 
@@ -248,7 +265,7 @@ def command_buffer_args(seed):
     rng = np.random.default_rng(seed)
     args = []
     for fa, fb, (m, n, k), _ in _CMD_CASES:
-        args.append((quantize_cpu(random_x(rng, (m, k)), fa)[1], quantize_cpu(random_x(rng, (n, k)), fb)[1],
+        args.append((quantize_raw(random_x(rng, (m, k)), fa)[1], quantize_raw(random_x(rng, (n, k)), fb)[1],
                      rng.standard_normal(n).astype(np.float32)))
     return args
 
