@@ -179,11 +179,18 @@ __device__ __forceinline__ void DecodeFp4(const Fp4Regs& r, STensor& s, int row,
   }
 }
 
-// Decodes one thread's 32 MXFP8 codes: RN_bf16(value * 2^(e-127)), the product in fp32 (exact unless it leaves
-// fp32's normal range, then rounded once as the emulation's dequantize does).
+// Decodes one thread's 32 MXFP8 codes: RN_bf16(value * 2^(e-127)). Per pair of codes: one fp8x2 -> f16x2
+// conversion, two exact widenings, one exact bf16x2 pack (E4M3 / E5M2 values have <= 4 significant bits and lie in
+// [2^-16, 57344], normal in bf16), and one bf16x2 multiply by the scale 2^(e-127) (a bf16: 2^-127 is a bf16
+// subnormal, e = 255 NaN), correctly rounded with subnormals kept. The exact product's lowest bit is >= 2^-143, so
+// it is exact in fp32 and this single rounding equals the emulation's RN_bf16(RN_f32(value * scale)); overflow gives
+// inf either way.
 template <__nv_fp8_interpretation_t kElem, typename STensor>
 __device__ __forceinline__ void DecodeFp8(const Fp8Regs& r, STensor& s, int row, int half, int st) {
-  const float sc = dequantize::E8M0Value(r.s);
+  const uint32_t e = r.s & 0xFFu;
+  const uint32_t sb = e == 255u ? 0x7FC0u : (e == 0u ? 0x0040u : e << 7);
+  const uint32_t sb2 = sb | (sb << 16);
+  const __nv_bfloat162 sc = *reinterpret_cast<const __nv_bfloat162*>(&sb2);
   const uint32_t w[8] = {r.d[0].x, r.d[0].y, r.d[0].z, r.d[0].w, r.d[1].x, r.d[1].y, r.d[1].z, r.d[1].w};
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
@@ -194,7 +201,7 @@ __device__ __forceinline__ void DecodeFp8(const Fp8Regs& r, STensor& s, int row,
       const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
           static_cast<__nv_fp8x2_storage_t>((i & 1) ? (word >> 16) : (word & 0xFFFFu)), kElem);
       const float2 f = __half22float2(__half2(h));
-      const __nv_bfloat162 b = __floats2bfloat162_rn(__fmul_rn(f.x, sc), __fmul_rn(f.y, sc));
+      const __nv_bfloat162 b = __hmul2_rn(__floats2bfloat162_rn(f.x, f.y), sc);
       o[i] = *reinterpret_cast<const uint32_t*>(&b);
     }
     Store8(s, row, 4 * half + c, st, make_uint4(o[0], o[1], o[2], o[3]));
