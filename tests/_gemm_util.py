@@ -32,9 +32,10 @@ a product of n factors (1 + delta_i)^(+-1), |delta_i| <= u.
     (the emulation's own error stays relative to A' = sum |a'_m b'_m|).
   * Casting the fp32 result z to bfloat16 (RNE, u_bf16 = 2**-8) adds u_bf16 |z|; adding a bias in fp32 first adds
     u |z| (`cast_bound`).
-  * The `jf4_gemm` kernel (`kernel_gemm_bound`) accumulates on the tensor cores. Their fp32 accumulation is not IEEE
-    RNE: in each MMA step the exact products and the accumulator are aligned to the largest exponent and the sum is
-    truncated (Fasi, Higham, Mikaitis, Pranesh, "Numerical behavior of NVIDIA tensor cores", PeerJ CS 2021). So
+  * The `jf4_gemm` kernel (`kernel_gemm_bound`) accumulates on the tensor cores, whose fp32 accumulation need not
+    be IEEE RNE: on the generations measured, each MMA step aligns the exact products and the accumulator to the
+    largest exponent and truncates the sum (Fasi, Higham, Mikaitis, Pranesh, "Numerical behavior of NVIDIA tensor
+    cores", PeerJ CS 2021); the bound assumes that model, which also covers RNE accumulation. So
     each term is cut at most once when aligned and once when the step's sum is normalised, each a relative error
     below 2u (round toward zero): 4 units of u per term, gamma_(4K) in place of gamma_K. 1x64 pairs: each 64-window
     partial sum is multiplied by the two window decode factors (fp32 values, one rounding each from the exact
