@@ -166,14 +166,29 @@ __device__ __forceinline__ void Store8(STensor& s, int r, int c, int st, uint4 v
                : "memory");
 }
 
+// The byte table of the 8 bf16 values value(q) * s_b of an NVFP4 block (dequantize/half_table.cuh). For a positive
+// finite scale (E4M3 codes 0x01..0x7E: s_b in [2^-9, 448], normal in bf16) the products are exact and the table
+// comes from two of them by exponent arithmetic: P = (bf16(s_b), bf16(1.5 s_b)) is the pair of magnitudes (1, 1.5);
+// (2, 3) and (4, 6) add 1 and 2 to both exponents; (0, 0.5) is (+0, bf16(s_b) with the exponent decremented). Other
+// codes (zero, negative, NaN) take the per-magnitude multiplications.
+__device__ __forceinline__ dequantize::HalfTable Fp4Table(uint32_t scale_code) {
+  const float sb = dequantize::Fp8Value<codes::kMxfp8E4m3>(scale_code);
+  if (scale_code - 1u < 0x7Eu) {
+    const __nv_bfloat162 pb = __floats2bfloat162_rn(sb, __fmul_rn(1.5f, sb));  // exact
+    const uint32_t p = *reinterpret_cast<const uint32_t*>(&pb);
+    const uint32_t t[4] = {(p << 16) - 0x00800000u, p, p + 0x00800080u, p + 0x01000100u};
+    return dequantize::HalfTableOfPairs(t);
+  }
+  return dequantize::MakeHalfTable<__nv_bfloat16>(sb);
+}
+
 // Decodes one thread's 32 NVFP4 codes (two 16-blocks) into chunks 4 * half .. 4 * half + 3 of row r: the block's
 // 8 magnitudes times s_b round once into a byte table (value(q) * s_b has <= 6 significant bits: exact in bf16).
 template <typename STensor>
 __device__ __forceinline__ void DecodeFp4(const Fp4Regs& r, STensor& s, int row, int half, int st) {
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    const dequantize::HalfTable tab =
-        dequantize::MakeHalfTable<__nv_bfloat16>(dequantize::Fp8Value<codes::kMxfp8E4m3>(r.s[j]));
+    const dequantize::HalfTable tab = Fp4Table(r.s[j]);
     Store8(s, row, 4 * half + 2 * j, st, dequantize::TableRun8(tab, r.d[j].x));
     Store8(s, row, 4 * half + 2 * j + 1, st, dequantize::TableRun8(tab, r.d[j].y));
   }
