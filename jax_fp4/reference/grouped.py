@@ -143,11 +143,27 @@ def group_has_nan(x, rows, cols) -> jnp.ndarray:
 
     The per-group form of the single-tensor rule (docs/numerics.md s6): an NVFP4 group's carried amax becomes NaN
     when its x_g holds one, while its encode keeps the finite amax, so the group dequantizes and multiplies to NaN.
+    Computed from NaN counts at the group offsets: per 1024-element chunk (one fused pass over x), their prefix sum,
+    and the partial chunk before each offset, gathered from x (a prefix sum over the whole buffer costs several passes
+    on the CPU).
     """
-    flat = jnp.isnan(jnp.asarray(x).reshape(-1)).astype(I32)
-    counts = jnp.concatenate([jnp.zeros((1,), I32), jnp.cumsum(flat, dtype=I32)])
-    off = jnp.clip(group_offsets(rows, cols), 0, flat.shape[0])
-    return counts[off[1:]] > counts[off[:-1]]
+    xf = jnp.asarray(x).reshape(-1)
+    size, n = xf.shape[0], rows.shape[0]
+    if size == 0:
+        return jnp.zeros((n,), bool)
+    chunks = -(-size // _NAN_CHUNK)
+    per = jnp.isnan(jnp.pad(xf, (0, chunks * _NAN_CHUNK - size))).reshape(chunks, _NAN_CHUNK)
+    before = _excl_cumsum(jnp.sum(per, axis=1, dtype=I32))  # NaNs before each chunk, [chunks + 1]
+    off = jnp.clip(group_offsets(rows, cols), 0, size)
+    q, r = off // _NAN_CHUNK, off % _NAN_CHUNK
+    lane = jnp.arange(_NAN_CHUNK, dtype=I32)
+    idx = jnp.minimum(q[:, None] * _NAN_CHUNK + lane, size - 1)
+    partial = jnp.sum(jnp.isnan(xf[idx]) & (lane < r[:, None]), axis=1, dtype=I32)  # the chunk before the offset
+    counts = before[q] + partial  # NaNs before each offset
+    return counts[1:] > counts[:-1]
+
+
+_NAN_CHUNK = 1024
 
 
 def misaligned(rows, cols, axis: int, block: int) -> jnp.ndarray:

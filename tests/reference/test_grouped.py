@@ -19,7 +19,13 @@ from hypothesis import strategies as st
 
 from jax_fp4.formats import MXFP8, NVFP4
 from jax_fp4.reference import dequantize, quantize
-from jax_fp4.reference.grouped import GroupedQuantized, Representation, grouped_dequantize, grouped_quantize
+from jax_fp4.reference.grouped import (
+    GroupedQuantized,
+    Representation,
+    group_has_nan,
+    grouped_dequantize,
+    grouped_quantize,
+)
 
 R = Representation
 N = 4
@@ -296,3 +302,24 @@ def test_jit_vmap():
         for f in ("data", "scale", "amax", "offsets", "first_dims", "last_dims"):
             np.testing.assert_array_equal(_bytes(getattr(gb, f)[i]), _bytes(getattr(one, f)), err_msg=f)
         np.testing.assert_array_equal(_bytes(deq[i]), _bytes(_grouped_dequantize(one, jnp.float32)))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    dims=st.lists(st.tuples(st.integers(-2, 70), st.integers(0, 40)), min_size=1, max_size=6),
+    extra=st.integers(-1500, 3000),
+    rate=st.sampled_from([0.0, 0.0005, 0.02]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_group_has_nan(dims, extra, rate, seed):
+    """group_has_nan (chunked NaN counts at the group offsets) against a per-group scan of the buffer, groups at any
+    offset (not chunk-aligned), empty and negative sizes, groups truncated by the buffer's end."""
+    rng = np.random.default_rng(seed)
+    rows, cols = (np.array(d, np.int32) for d in zip(*dims, strict=True))
+    off = np.concatenate([[0], np.cumsum(np.maximum(rows, 0) * cols)])
+    size = max(0, int(off[-1]) + extra)
+    x = rng.standard_normal(size).astype(np.float32)
+    x[rng.random(size) < rate] = np.nan
+    off = np.minimum(off, size)
+    want = np.array([np.isnan(x[off[g] : off[g + 1]]).any() for g in range(len(rows))])
+    np.testing.assert_array_equal(np.asarray(group_has_nan(jnp.asarray(x), jnp.asarray(rows), jnp.asarray(cols))), want)
