@@ -6,9 +6,10 @@ operands (`_gemm_util.decode`) within the fp32-accumulation bound (`_gemm_util` 
   * NVFP4 / MXFP8 operands: every product value(q) * s_b times value(q) * s_b is exact (<= 12 significant bits), the
     fp32 sum of K terms in any order is within gamma_K * A (A = sum |a_k b_k|), and each NVFP4 tensor scale adds two
     roundings (fl(amax * fp32(1/2688)) and the multiplication): `gemm_bound(A, K, scale=...)`, as for the emulation;
-  * NVFP4 1x64 pairs: the kernel sums each 64-wide window's exact products in fp32 (63 roundings), multiplies the
-    window sum by fa = RN(1 / S_enc,a) and by fb = RN(1 / S_enc,b) (two roundings each: the reciprocal and the
-    product) and adds it into the accumulator (K / 64 - 1 roundings): at most K + 4 roundings per term, op = 4;
+  * NVFP4 1x64 pairs: the kernel sums each 64-wide window's exact products in fp32 (63 roundings), rounds
+    tmp * fa (fa = RN(1 / S_enc,a): one more) and adds it times fb = RN(1 / S_enc,b) (one more) into the
+    accumulator with one fma (one of the K / 64 accumulation roundings): at most 63 + 3 + K / 64 <= K + 3
+    roundings per term, op = 3;
   * an fp32 bias addition and the cast to bfloat16 (`cast_bound`).
 out_amax must equal max |out| of the written output bit for bit, and be NaN when an output is NaN.
 
@@ -121,7 +122,7 @@ def reference(qa, qb, bias, out_dtype):
         a, b = decode(qa), decode(qb)
     ref, absprod = a @ b.T, np.abs(a) @ np.abs(b).T
     k = a.shape[1]
-    op = 4 if qa.fmt.local_1x64 else 0
+    op = 3 if qa.fmt.local_1x64 else 0
     bound = gemm_bound(absprod, k, op=op, scale=tensor_scale_roundings(qa, qb))
     if bias is not None and bias.size:
         ref = ref + bias.astype(np.float64)

@@ -12,7 +12,8 @@
 //  * the codes of the K-tile after that are loaded into a second register set at the start of the iteration, so
 //    their global latency hides behind the decode;
 //  * NVFP4 1x64: the K-tile is one window; its WGMMAs accumulate into a zeroed temporary fragment, promoted into the
-//    accumulator as acc += (tmp * fa[m]) * fb[n] (fa = RN(1 / S_enc,w) of row m's window, from the window amax);
+//    accumulator as acc = fma(tmp * fa[m], fb[n], acc) (fa = RN(1 / S_enc,w) of row m's window, from the window
+//    amax);
 //  * the epilogue multiplies by ta then tb (NVFP4 tensor scales amax * fp32(1/2688), 1 otherwise), adds the bias,
 //    casts (RNE, canonical NaN) and stores with bounds checks; with kEmitAmax it folds max |out| (NaN if any output
 //    is NaN) into out_amax with a warp reduction and an atomicMax on the float bits (zeroed on the stream first).
@@ -367,8 +368,9 @@ __global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
     }
   } else {
     // 1x64: each K-tile's window sums go to a zeroed temporary fragment and are complete (warpgroup_wait<0>) before
-    // their promotion acc += (tmp * fa[m]) * fb[n]. (Alternating two fragments to overlap the promotion with the
-    // next K-tile's WGMMAs makes ptxas serialize every WGMMA: it reads accumulator registers inside the pipeline.)
+    // their promotion acc = fma(tmp * fa[m], fb[n], acc). (Alternating two fragments to overlap the promotion with
+    // the next K-tile's WGMMAs makes ptxas serialize every WGMMA: it reads accumulator registers inside the
+    // pipeline.)
     auto tmp = make_fragment_like(acc);
     int st = 0;
     for (int kt = 0; kt < KT; ++kt) {
@@ -380,7 +382,7 @@ __global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
       CUTE_UNROLL
       for (int i = 0; i < size(acc); ++i) {
         const int m = get<0>(tCcC(i)), n = get<1>(tCcC(i));
-        acc(i) = __fadd_rn(acc(i), __fmul_rn(__fmul_rn(tmp(i), smem.fa[st][m]), smem.fb[st][n]));
+        acc(i) = __fmaf_rn(__fmul_rn(tmp(i), smem.fa[st][m]), smem.fb[st][n], acc(i));
       }
       __syncthreads();  // K-tile kt + 1's stage and factors are complete on every thread
       st = next;
