@@ -1,16 +1,13 @@
 """The Hopper block-scaled GEMM kernel (`jf4_gemm` FFI target, cpp/gemm/) called directly through `jax.ffi.ffi_call`.
 
 Operands are quantized with `jax_fp4.quantize` and shipped as raw codes; the GPU function rebuilds the float4 /
-float8 arrays and calls the target. Each result is compared with a float64 product of the exactly decoded
-operands (`_gemm_util.decode`) within the fp32-accumulation bound (`_gemm_util` module docstring, Higham eq. 3.5):
-  * NVFP4 / MXFP8 operands: every product value(q) * s_b times value(q) * s_b is exact (<= 12 significant bits), the
-    fp32 sum of K terms in any order is within gamma_K * A (A = sum |a_k b_k|), and each NVFP4 tensor scale adds two
-    roundings (fl(amax * fp32(1/2688)) and the multiplication): `gemm_bound(A, K, scale=...)`, as for the emulation;
-  * NVFP4 1x64 pairs: the kernel sums each 64-wide window's exact products in fp32 (63 roundings), rounds
-    tmp * fa (fa = RN(1 / S_enc,a): one more) and adds it times fb = RN(1 / S_enc,b) (one more) into the
-    accumulator with one fma (one of the K / 64 accumulation roundings): at most 63 + 3 + K / 64 <= K + 3
-    roundings per term, op = 3;
-  * an fp32 bias addition and the cast to bfloat16 (`cast_bound`).
+float8 arrays and calls the target. Each result is compared with a float64 product of the exactly decoded operands
+(`_gemm_util.decode`) within the kernel's bound (`_gemm_util.kernel_gemm_bound`, derived in the `_gemm_util` module
+docstring): every product value(q) * s_b times value(q) * s_b is exact (<= 12 significant bits); the tensor cores'
+fp32 accumulation (aligned and truncated per MMA step, Fasi et al.; RNE is covered) costs at most 4 units of u per
+term, gamma_(4K); NVFP4 1x64 pairs add at most 4 for the window decode factors (the kernel rounds
+fa = RN(1 / S_enc,a), tmp * fa and fb = RN(1 / S_enc,b), and adds tmp * fa * fb with one fma: 3); each NVFP4 tensor
+scale adds two roundings; then the fp32 bias addition and the cast to bfloat16 (`cast_bound`).
 out_amax must equal max |out| of the written output bit for bit, and be NaN when an output is NaN.
 
 Marked `gpu`; skipped unless the default device is a compute capability 9.x GPU and the extension exports jf4_gemm.
@@ -25,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _cmd_buffer_util import assert_command_buffer_runs
-from _gemm_util import cast_bound, decode, gemm_bound, tensor_scale_roundings
+from _gemm_util import cast_bound, decode, kernel_gemm_bound, tensor_scale_roundings
 from _quantize_util import bits_hash
 
 import jax_fp4
@@ -121,9 +118,7 @@ def reference(qa, qb, bias, out_dtype):
     with jax.default_device(_cpu()):
         a, b = decode(qa), decode(qb)
     ref, absprod = a @ b.T, np.abs(a) @ np.abs(b).T
-    k = a.shape[1]
-    op = 3 if qa.fmt.local_1x64 else 0
-    bound = gemm_bound(absprod, k, op=op, scale=tensor_scale_roundings(qa, qb))
+    bound = kernel_gemm_bound(absprod, a.shape[1], window=qa.fmt.local_1x64, scale=tensor_scale_roundings(qa, qb))
     if bias is not None and bias.size:
         ref = ref + bias.astype(np.float64)
     return ref, cast_bound(ref, bound, out_dtype, added_in_f32=bias is not None and bias.size > 0)
