@@ -145,8 +145,8 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a_data, ffi::AnyBuffer a
   JF4_CHECK(odt == ffi::DataType::BF16 || odt == ffi::DataType::F32,
             where + ": out dtype " + DataTypeName(odt) + " (expected bfloat16 or float32)");
   JF4_CHECK(out_amax->dimensions().size() == 0, where + ": out_amax must be a float32 scalar []");
-  JF4_CHECK(M < (int64_t(1) << 31) && N < (int64_t(1) << 31) && K < (int64_t(1) << 31),
-            where + ": sizes must stay below 2^31");
+  JF4_CHECK(M < (int64_t(1) << 31) && N < (int64_t(1) << 31) && K < (int64_t(1) << 31) - 64,
+            where + ": sizes must stay below 2^31 (K below 2^31 - 64)");
   const int64_t tiles = ((M + gemm::kBM - 1) / gemm::kBM) * ((N + 127) / 128);  // the most of either tiling
   JF4_CHECK(tiles < (int64_t(1) << 31), where + ": too many output tiles");
 
