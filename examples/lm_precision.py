@@ -201,8 +201,9 @@ def write_gaps(out: Path, gaps: dict):
 
 
 def write_diagnostics(out: Path, name: str, rows: list[dict]):
-    """Replace `name`'s rows in out/diagnostics.csv and draw out/diagnostics_<name>.png (SNR of the last recorded
-    step per layer and operand) and out/diagnostics_<name>_saturated.png; copy the SNR map to out/diagnostics.png."""
+    """Replace `name`'s rows in out/diagnostics.csv and draw out/diagnostics_<name>.png (SNR per layer and operand
+    at the last recorded step of the first phase, i.e. before a precision switch) and
+    out/diagnostics_<name>_saturated.png; copy the SNR map to out/diagnostics.png."""
     if not rows:
         return
     path = out / "diagnostics.csv"
@@ -211,7 +212,8 @@ def write_diagnostics(out: Path, name: str, rows: list[dict]):
         with path.open(newline="") as f:
             old = [r for r in csv.DictReader(f) if r.get("run") != name]
     qdiag.write_csv(path, old + rows)
-    last = max(int(r["step"]) for r in rows)
+    first = min(int(r.get("phase") or 0) for r in rows)
+    last = max(int(r["step"]) for r in rows if int(r.get("phase") or 0) == first)
     final = [r for r in rows if int(r["step"]) == last]
     qdiag.plot_heatmap(out / f"diagnostics_{name}.png", final, "snr_db", f"{name}: quantization SNR (dB), step {last}")
     qdiag.plot_heatmap(out / f"diagnostics_{name}_saturated.png", final, "saturated",

@@ -255,6 +255,13 @@ def write_csv(path, rows_: list[dict], append: bool = False):
         w.writerows(rows_)
 
 
+def _natural(name: str):
+    """Sort key reading the digit runs of a layer path as numbers."""
+    import re
+
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", name) if t]
+
+
 def plot_heatmap(path, rows_: list[dict], stat: str = "snr_db", title: str = ""):
     """A layer x operand heatmap PNG of one statistic (the last step's rows of each layer; unquantized operands, SNR
     +inf, left blank and labelled), with the values written in the cells."""
@@ -268,7 +275,7 @@ def plot_heatmap(path, rows_: list[dict], stat: str = "snr_db", title: str = "")
     last = {}
     for r in rows_:
         last[(r["layer"], r["operand"])] = float(r[stat])
-    layers = list(dict.fromkeys(k[0] for k in last))
+    layers = sorted(dict.fromkeys(k[0] for k in last), key=_natural)  # blocks/2 before blocks/10
     grid = np.array([[last.get((la, op), np.nan) for op in OPERANDS] for la in layers], np.float64)
     unquantized = np.isposinf(grid) if stat == "snr_db" else np.zeros(grid.shape, bool)
     grid[~np.isfinite(grid)] = np.nan
