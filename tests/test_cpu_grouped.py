@@ -221,6 +221,8 @@ def test_quantize_given_amax_and_sr_streams():
         check_quantize(x, rows, cols, _NV_SR, _NV_RHT, amaxes=amaxes, what="given amax")
     check_quantize(x, _pad([3, 32, 5, 0, 16, 7]), _pad([5, 32, 16, 9, 48, 1]), _NV_SR, _NV_RHT, amaxes=(a, a),
                    what="given amax, misaligned groups")
+    # A given rowwise amax is not the columnwise one (the handler shares computed plain amaxes between orientations).
+    check_quantize(x, rows, cols, _NV, _NV, amaxes=(a, None), what="given rowwise amax")
     keys = np.zeros((2, N, 2), np.uint32)
     keys[0, :, 0], keys[1, :, 1] = 0xFFFFFFFF, 0xFFFFFFFF
     check_quantize(x, rows, cols, _NV_SR, _NV_RHT_SR, keys=keys, what="SR extreme keys")

@@ -117,13 +117,21 @@ struct Side {
   }
 };
 
-// Per-group NVFP4 amaxes (reference.grouped._nvfp4_blocks: segment max of the block amaxes) into side.enc.
-void ComputeAmax(const Source& s, const GroupTable& t, Side& side) {
+// A group whose amax is max |x_g| in both orientations (no RHT, whole 16-blocks both ways, inside the buffer).
+bool PlainAmax(const GroupTable& t, const Side& side, int64_t g) {
+  return !(side.opts & kRht) && t.Aligned(g, false, 16) && t.Aligned(g, true, 16) && t.Inside(g);
+}
+
+// Per-group NVFP4 amaxes (reference.grouped._nvfp4_blocks: segment max of the block amaxes) into side.enc. `other`:
+// the other orientation's side when its amaxes were computed (not given) and it is NVFP4 without RHT too, so the groups
+// where both are max |x_g| (PlainAmax) copy them instead of reading x again.
+void ComputeAmax(const Source& s, const GroupTable& t, Side& side, const Side* other) {
   const bool rht = side.opts & kRht;
+  const auto reuse = [&](int64_t g) { return other != nullptr && PlainAmax(t, side, g) && PlainAmax(t, *other, g); };
   std::vector<GroupUnit> units;
   for (int64_t g = 0; g < t.n; ++g) {
     const int64_t cnt = t.Count(g);
-    if (cnt == 0) continue;
+    if (cnt == 0 || reuse(g)) continue;
     if (!t.Aligned(g, side.col, 16) || !t.Inside(g)) {
       units.push_back({g, -1});
     } else {
@@ -159,7 +167,7 @@ void ComputeAmax(const Source& s, const GroupTable& t, Side& side) {
   });
   std::vector<uint32_t> bits(t.n, 0u);
   for (size_t i = 0; i < units.size(); ++i) bits[units[i].g] = std::max(bits[units[i].g], part[i]);
-  for (int64_t g = 0; g < t.n; ++g) side.enc[g] = cvt::Float(bits[g]);
+  for (int64_t g = 0; g < t.n; ++g) side.enc[g] = reuse(g) ? other->enc[g] : cvt::Float(bits[g]);
 }
 
 // The single-tensor description of group g (a [1, M_g, K_g] tensor) for EncodeBand.
@@ -214,14 +222,16 @@ void EncodeGeneric(const Source& s, const GroupTable& t, Side& side, int64_t g) 
   }
 }
 
-void Quantize(const Source& s, const GroupTable& t, Side& side) {
+// Quantizes one orientation; `other`: the other side when it is quantized first (its amaxes are then known).
+void Quantize(const Source& s, const GroupTable& t, Side& side, const Side* other) {
   if (side.kind == kNone) return;
   const int64_t n = t.n;
   if (side.Nvfp4()) {
     if (side.given) {
       std::copy(side.given, side.given + n, side.enc);
     } else {
-      ComputeAmax(s, t, side);
+      const bool plain = other != nullptr && other->Nvfp4() && other->given == nullptr && !(other->opts & kRht);
+      ComputeAmax(s, t, side, plain ? other : nullptr);
     }
     const float nan = cvt::Float(0x7FC00000u);  // a misaligned group's amax
     for (int64_t g = 0; g < n; ++g) side.amax_out[g] = t.Aligned(g, side.col, 16) ? side.enc[g] : nan;
@@ -377,8 +387,8 @@ ffi::Error GroupedQuantizeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> first_dim
   const Source s{static_cast<const uint8_t*>(x.untyped_data()), size, xt == ffi::DataType::F32 ? 4 : 2,
                  xt == ffi::DataType::BF16};
   IeeeScope ieee;  // the serial parts (the per-group amax reduction) see subnormals too
-  Quantize(s, t, row);
-  Quantize(s, t, col);
+  Quantize(s, t, row, nullptr);
+  Quantize(s, t, col, &row);
   return ffi::Error::Success();
 }
 
