@@ -231,8 +231,9 @@ def dequantize(q: QuantizedArray, dtype=jnp.float32):
     """Dequantize a QuantizedArray to `dtype` (float32, bfloat16 or float16) with the original x's shape.
 
     NVFP4: value(q) * ((s_b * amax) * fp32(1/2688)) (TE `dequantize_nvfp4.cuh`); 1x64: value(q) * s_b / S_enc,w;
-    RHT tensors get the inverse transform. MXFP8: float(q) * 2**(e - 127). Rounded once to `dtype` (RNE, canonical
-    NaN). Swizzled scales are read directly (no separate unswizzle). Empty tensors give empty outputs.
+    RHT tensors get the inverse transform. MXFP8: float(q) * 2**(e - 127); a code that rounded up past `dtype`'s
+    range gives its largest finite value, not inf (docs/numerics.md section 2). Rounded once to `dtype` (RNE,
+    canonical NaN). Swizzled scales are read directly (no separate unswizzle). Empty tensors give empty outputs.
 
     Runs the `jf4_dequantize` primitive: the CUDA kernel where built (one launch, no launch for an empty tensor),
     the bit-exact reference (`jax_fp4.reference.dequantize`) elsewhere; the bits are the same. jit, vmap and

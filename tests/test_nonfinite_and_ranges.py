@@ -146,3 +146,71 @@ def test_nan_reaches_the_grouped_gemm_output():
     ref = jax_fp4.reference.grouped.grouped_quantize(jnp.asarray(x), NVFP4(), first_dims=sizes)
     assert np.isnan(np.asarray(gq.amax)).tolist() == [False, True, False]
     np.testing.assert_array_equal(np.asarray(gq.amax).view(np.uint32), np.asarray(ref.amax).view(np.uint32))
+
+
+def _mx_extremes(dtype):
+    """[64, 64] of `dtype`: +-the largest finite value on one element of every row and column block, the rest N(0,1),
+    and +-inf in row 1 / column 1 (whose 32-blocks get the E8M0 scale 0xFE)."""
+    big = float(jnp.finfo(dtype).max)
+    x = np.array(jax.random.normal(jax.random.key(4), (64, 64), jnp.float32))
+    idx = np.arange(64)
+    x[idx, (idx * 5) % 64] = np.where(idx % 2, big, -big)
+    x[1, 40], x[40, 1] = np.inf, -np.inf
+    return jnp.asarray(x.astype(jnp.dtype(dtype)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("fmt", [MXFP8(), MXFP8(element="e5m2")], ids=repr)
+def test_mxfp8_largest_finite_values_decode_finite(fmt, dtype):
+    """The codes are TE's (the +-max element's code rounds up past the output range: bf16 max -> E4M3 256 * 2**120
+    = 2**128), and the decode saturates them to +-max of the output dtype; +-inf in x (scale 0xFE) still decodes to
+    +-inf. Kernels (where built) and the reference give the same bits, rowwise and columnwise, and the bfloat16
+    operands of the emulated GEMM (exact operands of the quantize pass, grouped raw values) are finite as well."""
+    x = _mx_extremes(dtype)
+    xf = np.asarray(x, np.float32)
+    big = float(jnp.finfo(dtype).max)
+    inf = np.isinf(xf)
+    for axis in (-1, 0):
+        q = jax_fp4.quantize(x, fmt, axis=axis)
+        ref = jax_fp4.reference.quantize(x, fmt, axis=axis)
+        np.testing.assert_array_equal(_bits(q.data), _bits(ref.data))  # the encoder is unchanged (TE's codes)
+        for out in {jnp.dtype(dtype), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}:
+            y = np.asarray(jax.jit(lambda q, o=out: jax_fp4.dequantize(q, o))(q), np.float32)
+            want = jax_fp4.reference.dequantize(ref.data, ref.scale, None, None, fmt, axis, out)
+            np.testing.assert_array_equal(np.asarray(want, np.float32).view(np.uint32), y.view(np.uint32))
+            out_max = float(jnp.finfo(out).max)
+            assert np.isfinite(y[~inf]).all() and (np.abs(y[~inf]) <= out_max).all(), (axis, out)
+            np.testing.assert_array_equal(y[inf], xf[inf])  # +-inf stays +-inf
+            blocks = inf.reshape(64, 2, 32).any(-1).repeat(32, 1) if axis == -1 else \
+                inf.reshape(2, 32, 64).any(1).repeat(32, 0)
+            at_max = (np.abs(xf) == big) & ~blocks  # (a block holding inf decodes its other values to <= 2**128)
+            if out == jnp.dtype(dtype):  # round trips of +-max come back as +-max
+                np.testing.assert_array_equal(y[at_max], xf[at_max])
+    finite_x = jnp.where(jnp.isinf(x), 0, x).astype(x.dtype)
+    row, col, _ = jax_fp4.quantize_rowwise_columnwise(finite_x, fmt, fmt, exact=(True, True))
+    for e, q in ((row, jax_fp4.quantize(finite_x, fmt)), (col, jax_fp4.quantize(finite_x, fmt, axis=0))):
+        assert np.isfinite(np.asarray(e.values, np.float32)).all()
+        np.testing.assert_array_equal(np.asarray(e.values, np.float32),
+                                      np.asarray(jax_fp4.dequantize(q, jnp.bfloat16), np.float32))
+    gq = jax_fp4.grouped_quantize(finite_x, jnp.asarray([32, 32], jnp.int32), fmt)
+    g = np.asarray(jax_fp4.grouped_dequantize(gq, jnp.bfloat16), np.float32)
+    np.testing.assert_array_equal(g, np.asarray(jax_fp4.dequantize(jax_fp4.quantize(finite_x, fmt), jnp.bfloat16),
+                                                np.float32))
+    v, _ = jax_fp4.grouped_gemm.grouped_exact_operand(gq)
+    np.testing.assert_array_equal(np.asarray(v, np.float32), g)
+
+
+def test_mxfp8_saturated_operand_gives_a_finite_gemm():
+    """x holds bf16 max: the emulated MXFP8 GEMM against a diagonal 2**-4 w is finite (x * 2**-4 up to E4M3's
+    rounding where x is +-max), where an inf operand would give inf."""
+    x = _mx_extremes(jnp.bfloat16)
+    x = jnp.where(jnp.isinf(x), 0, x).astype(jnp.bfloat16)
+    w = jnp.eye(64, dtype=jnp.bfloat16) * jnp.bfloat16(2**-4)
+    y = np.asarray(jax_fp4.dense(x, w, recipe=recipes.MXFP8()), np.float32)
+    assert np.isfinite(y).all()
+    a = jax_fp4.quantize(x, MXFP8())
+    b = jax_fp4.quantize(w, MXFP8(), axis=0)
+    y = np.asarray(jax_fp4.scaled_dot_general(a, b, (((1,), (0,)), ((), ()))), np.float64)
+    want = np.asarray(x, np.float64) * 2**-4
+    at_max = np.abs(np.asarray(x, np.float32)) == float(jnp.finfo(jnp.bfloat16).max)
+    assert np.isfinite(y).all() and (np.abs(y - want)[at_max] <= np.abs(want)[at_max] * 2**-3).all()

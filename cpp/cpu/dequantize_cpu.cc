@@ -68,6 +68,14 @@ static int64_t ScaleIdx(const Geometry& g, int64_t row, int64_t j, int64_t cols)
   return (g.flags & kSwizzledFlag) ? layout::SwizzledIndex(row, j, g.cols_padded) : row * cols + j;
 }
 
+// MXFP8 element (E8M0 value s) decoded and saturated to the output dtype's range (dequantize::MxDecode).
+float MxValue(const Geometry& g, uint32_t code, float s) {
+  const uint32_t max_bits = g.out_bytes == 4 ? dequantize::kF32MaxBits
+                                             : (g.out_bf16 ? dequantize::kBf16MaxBits : dequantize::kF16MaxBits);
+  return g.kind == dequantize::kMxfp8E4m3 ? dequantize::MxDecode<dequantize::kMxfp8E4m3>(code, s, max_bits)
+                                          : dequantize::MxDecode<dequantize::kMxfp8E5m2>(code, s, max_bits);
+}
+
 // Row r of data[p]: NVFP4, or MXFP8 rowwise (blocks along C).
 void DequantizeRow(const Geometry& g, int64_t p, int64_t r, float* v) {
   const int64_t C = g.C, row = p * g.R + r;
@@ -93,12 +101,7 @@ void DequantizeRow(const Geometry& g, int64_t p, int64_t r, float* v) {
   const uint8_t* d = g.data + row * C;
   for (int64_t j = 0; j < nb; ++j) {
     const float s = dequantize::E8M0Value(g.scale[ScaleIdx(g, row, j, nb)]);
-    for (int i = 0; i < 32; ++i) {
-      const uint32_t code = d[32 * j + i];
-      const float q = g.kind == dequantize::kMxfp8E4m3 ? dequantize::Fp8Value<dequantize::kMxfp8E4m3>(code)
-                                                       : dequantize::Fp8Value<dequantize::kMxfp8E5m2>(code);
-      v[32 * j + i] = cvt::Mul(q, s);
-    }
+    for (int i = 0; i < 32; ++i) v[32 * j + i] = MxValue(g, d[32 * j + i], s);
   }
 }
 
@@ -116,10 +119,7 @@ void DequantizeUnit(const Geometry& g, int64_t u) {
       const float s = dequantize::E8M0Value(g.scale[idx]);
       for (int i = 0; i < 32; ++i) {
         const int64_t e = (p * g.R + 32 * jb + i) * g.C + c;
-        const uint32_t code = g.data[e];
-        const float q = g.kind == dequantize::kMxfp8E4m3 ? dequantize::Fp8Value<dequantize::kMxfp8E4m3>(code)
-                                                         : dequantize::Fp8Value<dequantize::kMxfp8E5m2>(code);
-        Store(g.out, g.out_bytes, g.out_bf16, e, cvt::Mul(q, s));
+        Store(g.out, g.out_bytes, g.out_bf16, e, MxValue(g, g.data[e], s));
       }
     }
     return;

@@ -125,9 +125,9 @@ void EncodeMxfp8Band(const Orientation& o, int64_t p, int64_t r0, int rows, cons
       float ex[32];
       if (o.exact) {
         const float s = dequantize::E8M0Value(e);
-        for (int k = 0; k < 32; ++k) {
-          ex[k] = cvt::Mul(e4m3 ? dequantize::Fp8Value<dequantize::kMxfp8E4m3>(q[k])
-                                : dequantize::Fp8Value<dequantize::kMxfp8E5m2>(q[k]), s);
+        for (int k = 0; k < 32; ++k) {  // bfloat16 operands: saturated to its range (dequantize::MxDecode)
+          ex[k] = e4m3 ? dequantize::MxDecode<dequantize::kMxfp8E4m3>(q[k], s, dequantize::kBf16MaxBits)
+                       : dequantize::MxDecode<dequantize::kMxfp8E5m2>(q[k], s, dequantize::kBf16MaxBits);
         }
       }
       if (!o.col) {

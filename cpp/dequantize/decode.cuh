@@ -103,7 +103,33 @@ JF4_HD float E8M0Value(uint32_t e) {
   return cvt::Float(e << 23);
 }
 
+// fp32 bits of the largest finite value of each output dtype: float32 FLT_MAX, bfloat16 0x7F7F, float16 65504.
+constexpr uint32_t kF32MaxBits = 0x7F7FFFFFu, kBf16MaxBits = 0x7F7F0000u, kF16MaxBits = 0x477FE000u;
+
+// MXFP8 element decode (docs/numerics.md section 2, Dequantize; reference mxfp8.dequantize): v = float(q) * s with
+// s = 2^(e-127) (E8M0Value). Where |v| exceeds M, the output dtype's largest finite value (bits `max_bits`; the fp32
+// overflow to inf included), and the code's rounding interval reaches into the output's range -- the midpoint
+// between |q| and the next smaller magnitude, times s, is <= M -- the result is +-M: the E8M0 scale rounds up, so a
+// value at the top of the range can take a code past it (bf16 max -> E4M3 256 * 2^120 = 2^128; lower midpoint
+// 248 * 2^120 <= bf16 max), and converting +-M to the output gives M. A code whose whole interval lies beyond M
+// decodes as TE's (+-inf in the output): a genuine overflow, e.g. the encoding of +-inf (scale 0xFE, code
+// max_norm: 432 * 2^127 overflows) or an f32 tensor decoded to f16. NaN stays NaN, an E5M2 infinity infinite.
+template <int kKind>
+JF4_HD float MxDecode(uint32_t code, float s, uint32_t max_bits) {
+  const uint32_t b = cvt::Bits(cvt::Mul(Fp8Value<kKind>(code), s)), mag = b & 0x7FFFFFFFu;
+  const uint32_t c = code & 0x7Fu;  // > 0 whenever mag > max_bits
+  if (mag <= max_bits || mag > 0x7F800000u || (kKind == kMxfp8E5m2 && c == 0x7Cu)) return cvt::Float(b);
+  const float mid = cvt::Mul(Fp8Value<kKind>(c) + Fp8Value<kKind>(c - 1u), 0.5f);  // exact
+  return cvt::Float(cvt::Bits(cvt::Mul(mid, s)) <= max_bits ? (b & 0x80000000u) | max_bits : b);
+}
+
 #if defined(__CUDACC__)  // output packing of the kernels (device types)
+
+// kF32MaxBits / kBf16MaxBits / kF16MaxBits of an output type.
+template <typename Out>
+__device__ __forceinline__ constexpr uint32_t OutMaxBits() {
+  return sizeof(Out) == 4 ? kF32MaxBits : (std::is_same<Out, __half>::value ? kF16MaxBits : kBf16MaxBits);
+}
 
 // fp32 -> output bits, RNE, canonical NaN (0x7FC00000 / 0x7FC0 / 0x7E00) as the reference writes it.
 template <typename Out>

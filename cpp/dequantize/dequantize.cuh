@@ -62,8 +62,10 @@ __device__ __forceinline__ void Store16(Out* dst, const float (&v)[16], int vali
 }
 
 // Decodes the segment of flat row `row` (= p * R + r) starting at column c (valid elements: min(16, C - c)).
+// max_bits: OutMaxBits of the output type (MXFP8 saturation, MxDecode).
 template <int kKind>
-__device__ __forceinline__ void DecodeSegment(const Args& a, int64_t row, int64_t c, int valid, float (&v)[16]) {
+__device__ __forceinline__ void DecodeSegment(const Args& a, int64_t row, int64_t c, int valid, float (&v)[16],
+                                              uint32_t max_bits) {
   const int64_t C = a.C;
   if constexpr (kKind == kNvfp4) {  // C % 16 == 0: whole segments of 8 bytes
     const uint8_t* src = a.data + (row * C + c) / 2;
@@ -139,12 +141,12 @@ __device__ __forceinline__ void DecodeSegment(const Args& a, int64_t row, int64_
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         const uint32_t q = (words[i >> 2] >> (8 * (i & 3))) & 0xFFu, e = (sc[i >> 2] >> (8 * (i & 3))) & 0xFFu;
-        v[i] = __fmul_rn(Fp8Value<kKind>(q), E8M0Value(e));
+        v[i] = MxDecode<kKind>(q, E8M0Value(e), max_bits);
       }
     } else {  // rowwise: C % 32 == 0, one scale per segment
       const float s = E8M0Value(__ldg(a.scale + ScaleIndex(a, row, c >> 5, C >> 5)));
 #pragma unroll
-      for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(Fp8Value<kKind>((words[i >> 2] >> (8 * (i & 3))) & 0xFFu), s);
+      for (int i = 0; i < 16; ++i) v[i] = MxDecode<kKind>((words[i >> 2] >> (8 * (i & 3))) & 0xFFu, s, max_bits);
     }
   }
 }
@@ -167,7 +169,7 @@ __global__ void __launch_bounds__(kThreads) RowsKernel(const Args a, int64_t num
   const int64_t left = a.C - c;
   const int valid = left < kSeg ? int(left) : kSeg;
   float v[16];
-  DecodeSegment<kKind>(a, row, c, valid, v);
+  DecodeSegment<kKind>(a, row, c, valid, v, OutMaxBits<Out>());
   Store16<Out>(static_cast<Out*>(a.out) + row * a.C + c, v, valid, a.vector_out);
 }
 
@@ -274,7 +276,7 @@ __global__ void __launch_bounds__(kThreads) FlatKernel(const Args a, Idx num_run
         } else {
           s = mult[j];
         }
-        v[i] = __fmul_rn(Fp8Value<kKind>((word >> (8 * (i & 3))) & 0xFFu), s);
+        v[i] = MxDecode<kKind>((word >> (8 * (i & 3))) & 0xFFu, s, OutMaxBits<Out>());
       }
     }
     // A finite multiplier with finite codes (NVFP4 has no NaN codes; 1x64: a finite s_b over an S_enc in the range

@@ -81,7 +81,8 @@ __global__ void __launch_bounds__(kThreads) MxColumnwiseSwizzledKernel(const Arg
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const int sh = 8 * (i & 3);
-      v[i] = __fmul_rn(Fp8Value<kKind>((words[i >> 2] >> sh) & 0xFFu), E8M0Value((sw[i >> 2] >> sh) & 0xFFu));
+      v[i] = MxDecode<kKind>((words[i >> 2] >> sh) & 0xFFu, E8M0Value((sw[i >> 2] >> sh) & 0xFFu),
+                             OutMaxBits<Out>());
     }
     uint4* dst = reinterpret_cast<uint4*>(static_cast<Out*>(a.out) + (p * R + r) * C + c);
     constexpr int kV = 16 / int(sizeof(Out));

@@ -145,7 +145,9 @@ __device__ __forceinline__ void GenericDequant(const DequantArgs& a, const Table
       const int64_t l = 32 * b + i;
       if (l >= cnt) break;
       const int64_t p = off + (a.col ? O2C(l, m, k) : l);
-      if (p < end) StoreOne<Out>(a.out, p, __fmul_rn(dequantize::Fp8Value<kKind>(a.data[p]), s));
+      if (p < end) {
+        StoreOne<Out>(a.out, p, dequantize::MxDecode<kKind>(a.data[p], s, dequantize::OutMaxBits<Out>()));
+      }
     }
   }
 }
@@ -277,7 +279,8 @@ __global__ void __launch_bounds__(kThreads, DequantMinBlocks<Out, kTiles>())
         const int lr = threadIdx.x >> 2, cg = threadIdx.x & 3;
         float v[16];
         if (r0 + lr < d.R && c0 + cg * 16 < d.C) {
-          dequantize::DecodeSegment<dequantize::kNvfp4>(d, r0 + lr, c0 + cg * 16, 16, v);
+          dequantize::DecodeSegment<dequantize::kNvfp4>(d, r0 + lr, c0 + cg * 16, 16, v,
+                                                        dequantize::OutMaxBits<Out>());
         } else {
 #pragma unroll
           for (int i = 0; i < 16; ++i) v[i] = 0.0f;
@@ -315,7 +318,7 @@ __global__ void __launch_bounds__(kThreads, DequantMinBlocks<Out, kTiles>())
         valid[j] = left < dequantize::kSeg ? int(left) : dequantize::kSeg;
         dst[j] = row * d.C + c;
         float v[16];
-        dequantize::DecodeSegment<kKind>(d, row, c, valid[j], v);
+        dequantize::DecodeSegment<kKind>(d, row, c, valid[j], v, dequantize::OutMaxBits<Out>());
         PackRun<Out>(v, w[j]);
       }
     }

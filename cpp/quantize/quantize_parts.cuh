@@ -182,14 +182,15 @@ __device__ __forceinline__ void StoreExactNvfp4(uint2 w, uint32_t sc, uint8_t* d
   StoreBf16x16(dst, o, 16, true);
 }
 
-// float(q) * scale of 16 MXFP8 codes (4 per word of `out`); scale[i] is element i's E8M0 value.
+// float(q) * scale of 16 MXFP8 codes (4 per word of `out`), saturated to the bfloat16 range (MxDecode); scale[i] is
+// element i's E8M0 value.
 template <int kKind>
 __device__ __forceinline__ void ExactMxfp8(const uint32_t (&out)[4], const float (&scale)[16], uint32_t (&o)[8]) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const uint32_t w = out[i >> 1] >> (16 * (i & 1));
-    o[i] = Bf16Pair(__fmul_rn(dequantize::Fp8Value<kKind>(w & 0xFFu), scale[2 * i]),
-                    __fmul_rn(dequantize::Fp8Value<kKind>((w >> 8) & 0xFFu), scale[2 * i + 1]));
+    o[i] = Bf16Pair(dequantize::MxDecode<kKind>(w & 0xFFu, scale[2 * i], dequantize::kBf16MaxBits),
+                    dequantize::MxDecode<kKind>((w >> 8) & 0xFFu, scale[2 * i + 1], dequantize::kBf16MaxBits));
   }
 }
 

@@ -47,6 +47,23 @@ def e8m0_value(codes) -> jnp.ndarray:
     return _f32.from_bits(jnp.where(codes == 255, jnp.uint32(0x7FC00000), b))
 
 
+#: fp32 bit pattern of the largest finite value of each output dtype (FLT_MAX, bf16 0x7F7F, f16 65504).
+OUT_MAX_BITS = {jnp.dtype(jnp.float32): 0x7F7FFFFF, jnp.dtype(jnp.bfloat16): 0x7F7F0000,
+                jnp.dtype(jnp.float16): 0x477FE000}
+
+
+def saturate(values_f32, where, dtype):
+    """values_f32 with the entries whose magnitude exceeds the output dtype's largest finite value M (an fp32
+    overflow to inf included) replaced by +-M where `where` (bool, broadcastable) holds; NaN untouched. On the bits,
+    so subnormals are not flushed. `output(.., dtype)` then rounds those entries to +-M (the MXFP8 decode rule of
+    docs/numerics.md section 2, `mxfp8.dequantize`)."""
+    m = jnp.uint32(OUT_MAX_BITS[jnp.dtype(dtype)])
+    b = _f32.bits(values_f32)
+    mag = b & jnp.uint32(0x7FFFFFFF)
+    over = (mag > m) & (mag <= jnp.uint32(0x7F800000)) & where
+    return jnp.where(over, _f32.from_bits((b & jnp.uint32(0x80000000)) | m), values_f32)
+
+
 def output(values_f32, dtype):
     """Round float32 values to the output dtype (f32/bf16/f16), RNE, NaN canonical (bit-exact contract)."""
     dtype = jnp.dtype(dtype)

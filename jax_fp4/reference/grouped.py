@@ -397,7 +397,7 @@ def dequantize_groups(data, scale, amax, rows, cols, fmt: Format, axis: int, x_s
     elif isinstance(fmt, NVFP4):
         v = nvfp4.dequantize(q, sc, amax[gb], None, fmt)  # per-block amax broadcasts like the scalar
     else:
-        v = mxfp8.dequantize(codes.to_dtype(q, fmt.data_dtype), sc, fmt)
+        v = mxfp8.dequantize(codes.to_dtype(q, fmt.data_dtype), sc, fmt, dtype)
 
     # Output position (x layout) -> internal position.
     p = jnp.arange(total, dtype=I32)

@@ -46,8 +46,25 @@ def quantize(y, fmt: MXFP8):
     return q.reshape(y.shape), e
 
 
-def dequantize(data, scale_codes, fmt: MXFP8):
-    """data (float8 [..., n]) + E8M0 codes [..., n/32] -> float32 [..., n]: float(q) * 2**(e-127)."""
+def dequantize(data, scale_codes, fmt: MXFP8, out_dtype=jnp.float32):
+    """data (float8 [..., n]) + E8M0 codes [..., n/32] -> float32 [..., n]: float(q) * 2**(e-127), saturated to
+    +-M (the largest finite value of `out_dtype`) where it exceeds M but the code's rounding interval reaches into
+    the output's range (docs/numerics.md section 2, Dequantize). Round the result with `codes.output(., out_dtype)`.
+
+    The E8M0 scale rounds up (TE's `float_to_e8m0`), so a value at the top of the range can take a code past it
+    (bf16 max -> E4M3 256 * 2**120 = 2**128, whose lower rounding boundary 248 * 2**120 is below bf16 max): such
+    codes decode to +-M, not inf. A code whose interval lies wholly beyond M (an inf in x: scale 0xFE, code
+    +-max_norm; an f32 tensor decoded to f16) decodes to +-inf as TE's does; NaN codes and the scale 0xFF give NaN.
+    """
     bs = fmt.block_size
-    v = codes.small_float_value(data).reshape(*data.shape[:-1], data.shape[-1] // bs, bs)
-    return _f32.mul(v, codes.e8m0_value(scale_codes)[..., None]).reshape(data.shape)
+    blocked = (*data.shape[:-1], data.shape[-1] // bs, bs)
+    s = codes.e8m0_value(scale_codes)[..., None]
+    q = codes.small_float_value(data)
+    v = _f32.mul(q.reshape(blocked), s).reshape(data.shape)
+    # the smallest magnitude that rounds to |q|: the midpoint to the next smaller code (exact in fp32)
+    mag = codes.from_dtype(data) & U32(0x7F)
+    below = codes.small_float_value(codes.to_dtype(jnp.maximum(mag, U32(1)) - U32(1), data.dtype))
+    mid = (jnp.abs(q) + below) * np.float32(0.5)
+    reach = _f32.bits(_f32.mul(mid.reshape(blocked), s)).reshape(data.shape) <= codes.OUT_MAX_BITS[
+        jnp.dtype(out_dtype)]
+    return codes.saturate(v, ~jnp.isinf(q) & reach, out_dtype)

@@ -51,7 +51,8 @@ def dequantize(data, scale, amax, window_amax, fmt: Format, axis: int, dtype=jnp
         v = nvfp4.dequantize(codes.from_dtype(data), codes.from_dtype(scale), amax, window_amax, fmt)
         return codes.output(jnp.moveaxis(v, -1, axis), dtype)
     if isinstance(fmt, MXFP8):
-        v = mxfp8.dequantize(jnp.moveaxis(data, axis, -1), codes.from_dtype(jnp.moveaxis(scale, axis, -1)), fmt)
+        v = mxfp8.dequantize(jnp.moveaxis(data, axis, -1), codes.from_dtype(jnp.moveaxis(scale, axis, -1)), fmt,
+                             dtype)
         return codes.output(jnp.moveaxis(v, -1, axis), dtype)
     raise ValueError(f"dequantize: unknown format {fmt!r}")
 

@@ -105,11 +105,18 @@ def test_e4m3_edge_rows():
     assert np.isnan(xh[1, 13]) and np.isnan(xh[1, 14]) and np.signbit(xh[1, 12])
     # Code-0 row: 128 * 2**-127 = 2**-120 and 0.125 * 2**-127 = 2**-130 (a subnormal output, not flushed).
     np.testing.assert_array_equal(xh[2, :3], [p2(-120), p2(-130), 2 * p2(-9) * p2(-127)])
-    # FLT_MAX rounds up to 256 * 2**120 = 2**128: it dequantizes to inf (spec-inherent: e rounds up, then the
-    # data rounds up too).
-    assert np.isposinf(xh[7, 0]) and np.isneginf(xh[7, 1])
-    # inf row: 448 * 2**127 overflows to inf; 0.5 * 2**127 = 2**126; 2.0 * 2**127 = 2**128 -> inf.
-    assert np.isposinf(xh[8, 0]) and np.isneginf(xh[8, 1]) and xh[8, 2] == p2(126) and np.isposinf(xh[8, 5])
+    # FLT_MAX rounds up to 256 * 2**120 = 2**128 (e rounds up, then the data rounds up too): the decode saturates
+    # the finite code to +-FLT_MAX (TE's gives inf; docs/numerics.md section 2).
+    assert xh[7, 0] == FLT_MAX and xh[7, 1] == -FLT_MAX
+    # inf row: 448 * 2**127 (the encoding of inf: its rounding interval [432, inf) * 2**127 lies beyond FLT_MAX)
+    # stays inf; 0.5 * 2**127 = 2**126; 2.0 * 2**127 = 2**128 (FLT_MAX's code; lower midpoint 1.9375 * 2**127 <=
+    # FLT_MAX) saturates to FLT_MAX.
+    assert np.isposinf(xh[8, 0]) and np.isneginf(xh[8, 1]) and xh[8, 2] == p2(126) and xh[8, 5] == FLT_MAX
+    # bf16 output: 2**128's interval reaches below bf16 max (0x7F7F): saturated; f16: far beyond 65504, inf.
+    b = np.asarray(dequantize(q, jnp.bfloat16)).view(np.uint16)
+    assert b[7, 0] == 0x7F7F and b[7, 1] == 0xFF7F and b[8, 5] == 0x7F7F and b[8, 0] == 0x7F80
+    b = np.asarray(dequantize(q, jnp.float16)).view(np.uint16)
+    assert b[7, 0] == 0x7C00 and b[7, 1] == 0xFC00 and b[8, 5] == 0x7C00
 
 
 def test_e5m2_edge_rows():
@@ -134,7 +141,8 @@ def test_dequantize_extreme_scale_codes():
     """x_hat = float(q) * 2**(e - 127) for E8M0 codes 0xFD, 0xFE, 0xFF and 0 (via a hand-built QuantizedArray).
 
     Data row [1.0 (0x38), 448 (0x7E), 2**-9 (0x01), -0 (0x80)]:
-      0xFD: 2**126, 448 * 2**126 -> inf, 2**117, -0.   0xFE: 2**127, inf, 2**118, -0.   0xFF: NaN everywhere.
+      0xFD: 2**126, 448 * 2**126 -> inf (its lower midpoint 432 * 2**126 > FLT_MAX), 2**117, -0.
+      0xFE: 2**127, inf, 2**118, -0.   0xFF: NaN everywhere.
       0x00: 2**-127 (subnormal), 448 * 2**-127 = 1.75 * 2**-119, 2**-136 (subnormal, not flushed), -0.
     """
     data = np.zeros((4, 32), np.uint8)

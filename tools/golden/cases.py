@@ -12,10 +12,17 @@ DT = {"bf16": jnp.bfloat16, "f32": jnp.float32, "f16": jnp.float16}
 
 
 def make_x(shape, dt, seed, exp=0):
+    """N(0, 2**exp) with the EDGE values at 40 random positions; exp="max": N(0, 1) with +-the dtype's largest
+    finite value at 1/8 of the positions and +-inf at two (MXFP8 codes that round up past the range)."""
     rng = np.random.default_rng(seed)
-    x = (rng.standard_normal(shape) * 2.0**exp).astype(np.float32)
+    x = (rng.standard_normal(shape) * 2.0**(0 if exp == "max" else exp)).astype(np.float32)
     flat = x.reshape(-1)
-    if flat.size:
+    if flat.size and exp == "max":
+        big = float(jnp.finfo(DT[dt]).max)
+        pos = rng.choice(flat.size, flat.size // 8 + 2, replace=False)
+        flat[pos] = np.where(np.arange(pos.size) % 2, big, -big)
+        flat[pos[:2]] = [np.inf, -np.inf]
+    elif flat.size:
         pos = rng.choice(flat.size, min(40, flat.size), replace=False)
         flat[pos] = np.resize(EDGE, pos.size)
     return jnp.asarray(x, DT[dt])
@@ -73,6 +80,17 @@ def cases():
         out.append(("sw", "f32", shape, 0, dt, None, "swizzled"))
     out.append(("swq", "bf16", (320, 192), 0, N(), 0, "compact"))  # public swizzle_scales
     out.append(("swq", "bf16", (320, 192), 0, M(), 0, "swizzled"))  # public unswizzle_scales
+    # MXFP8 decode saturation (docs/numerics.md section 2): +-max of each input dtype decoded to every output dtype,
+    # both orientations and layouts (the rows, flat, columnwise and swizzled-columnwise kernels), and the exact
+    # bf16 operands of the quantize pass.
+    for fmt in (M(), M(element="e5m2")):
+        for dt, out_dt in (("bf16", "bf16"), ("f16", "f16"), ("f32", "f32"), ("f32", "bf16"), ("bf16", "f16")):
+            for axis, lay in ((-1, "compact"), (0, "compact"), (0, "swizzled")):
+                out.append(("dq", dt, (128, 64), "max", (fmt, out_dt), axis, lay))
+        out.append(("dq", "bf16", (64, 40), "max", (fmt, "bf16"), 0, "compact"))  # partial segments
+        for dt in ("bf16", "f32"):
+            out.append(("rcx", dt, (128, 128), "max", (fmt, fmt), None, "compact"))
+    out.append(("rcx", "bf16", (128, 128), "max", (N(), M()), None, "swizzled"))
     return out
 
 
@@ -102,6 +120,9 @@ def fn(case):
         return lambda x, k: jax_fp4.quantize(x, fmt, axis=axis, key=k, scale_layout=lay)
     if kind == "rc":
         return lambda x, k: jax_fp4.quantize_rowwise_columnwise(x, fmt[0], fmt[1], key=k, scale_layout=lay)[:2]
+    if kind == "rcx":
+        return lambda x, k: jax_fp4.quantize_rowwise_columnwise(x, fmt[0], fmt[1], key=k, scale_layout=lay,
+                                                                exact=(True, True))[:2]
     if kind == "dq":
         from jax_fp4._src.primitives.dequantize import dequantize_array
 
@@ -120,7 +141,7 @@ def fn(case):
 
 
 #: Custom calls each kind must lower to on the GPU (check.py reports "OK-but-no-kernel" otherwise).
-KERNELS = {"q": ("jf4_quantize",), "rc": ("jf4_quantize",), "vmap": ("jf4_quantize",),
+KERNELS = {"q": ("jf4_quantize",), "rc": ("jf4_quantize",), "rcx": ("jf4_quantize",), "vmap": ("jf4_quantize",),
            "dq": ("jf4_quantize", "jf4_dequantize"), "vdq": ("jf4_dequantize",),
            "sw": ("jf4_swizzle", "jf4_unswizzle"), "swq": ("jf4_quantize",)}
 

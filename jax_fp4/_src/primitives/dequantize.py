@@ -150,9 +150,9 @@ def reference_dequantize(data, scale, amax, window_amax, *, fmt, out_dtype, scal
         v = nvfp4.dequantize(codes.from_dtype(data), codes.from_dtype(scale), a, w, fmt)
     elif mx_columnwise:
         v = jnp.swapaxes(mxfp8.dequantize(jnp.swapaxes(data, 1, 2), codes.from_dtype(jnp.swapaxes(scale, 1, 2)),
-                                          fmt), 1, 2)
+                                          fmt, out_dtype), 1, 2)
     else:
-        v = mxfp8.dequantize(data, codes.from_dtype(scale), fmt)
+        v = mxfp8.dequantize(data, codes.from_dtype(scale), fmt, out_dtype)
     if transpose_out:
         v = jnp.swapaxes(v, 1, 2)
     return codes.output(v, out_dtype)
