@@ -68,12 +68,15 @@ static int64_t ScaleIdx(const Geometry& g, int64_t row, int64_t j, int64_t cols)
   return (g.flags & kSwizzledFlag) ? layout::SwizzledIndex(row, j, g.cols_padded) : row * cols + j;
 }
 
-// MXFP8 element (E8M0 value s) decoded and saturated to the output dtype's range (dequantize::MxDecode).
-float MxValue(const Geometry& g, uint32_t code, float s) {
-  const uint32_t max_bits = g.out_bytes == 4 ? dequantize::kF32MaxBits
-                                             : (g.out_bf16 ? dequantize::kBf16MaxBits : dequantize::kF16MaxBits);
-  return g.kind == dequantize::kMxfp8E4m3 ? dequantize::MxDecode<dequantize::kMxfp8E4m3>(code, s, max_bits)
-                                          : dequantize::MxDecode<dequantize::kMxfp8E5m2>(code, s, max_bits);
+float MxValue(int kind, int out_bytes, bool out_bf16, uint32_t code, float s) {
+  const uint32_t max_bits = out_bytes == 4 ? dequantize::kF32MaxBits
+                                           : (out_bf16 ? dequantize::kBf16MaxBits : dequantize::kF16MaxBits);
+  return kind == dequantize::kMxfp8E4m3 ? dequantize::MxDecode<dequantize::kMxfp8E4m3>(code, s, max_bits)
+                                        : dequantize::MxDecode<dequantize::kMxfp8E5m2>(code, s, max_bits);
+}
+
+static float MxValue(const Geometry& g, uint32_t code, float s) {
+  return MxValue(g.kind, g.out_bytes, g.out_bf16, code, s);
 }
 
 // Row r of data[p]: NVFP4, or MXFP8 rowwise (blocks along C).

@@ -25,6 +25,8 @@ struct Geometry {
 
 // Output element i of fp32 v: float32 with canonical NaN, bfloat16 / float16 RNE with canonical NaN.
 void Store(void* out, int bytes, bool bf16, int64_t i, float v);
+// MXFP8 element (code, E8M0 value s) for an output of out_bytes / out_bf16, saturated as dequantize::MxDecode.
+float MxValue(int kind, int out_bytes, bool out_bf16, uint32_t code, float s);
 // Inverse RHT of one 16-chunk (reference/rht.py inverse).
 void RhtInverse16(float (&v)[16]);
 // fp32 values of row r of data[p] (NVFP4, or MXFP8 with blocks along C) into v[C].

@@ -96,9 +96,7 @@ void DequantizeGeneric(const GroupTable& t, const Call& c, int64_t g) {
       for (int i = 0; i < 32; ++i) {
         const int64_t l = 32 * b + i, p = off + (c.col ? O2C(l, m, k) : l);
         if (l >= cnt || p >= end) continue;
-        const float q = c.kind == dequantize::kMxfp8E4m3 ? dequantize::Fp8Value<dequantize::kMxfp8E4m3>(c.data[p])
-                                                         : dequantize::Fp8Value<dequantize::kMxfp8E5m2>(c.data[p]);
-        Store(c.out, c.out_bytes, c.out_bf16, p, cvt::Mul(q, s));
+        Store(c.out, c.out_bytes, c.out_bf16, p, MxValue(c.kind, c.out_bytes, c.out_bf16, c.data[p], s));
       }
     }
   }

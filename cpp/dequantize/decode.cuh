@@ -114,13 +114,18 @@ constexpr uint32_t kF32MaxBits = 0x7F7FFFFFu, kBf16MaxBits = 0x7F7F0000u, kF16Ma
 // 248 * 2^120 <= bf16 max), and converting +-M to the output gives M. A code whose whole interval lies beyond M
 // decodes as TE's (+-inf in the output): a genuine overflow, e.g. the encoding of +-inf (scale 0xFE, code
 // max_norm: 432 * 2^127 overflows) or an f32 tensor decoded to f16. NaN stays NaN, an E5M2 infinity infinite.
+// MxSaturate: the rule applied to an already formed product v = float(q) * s.
 template <int kKind>
-JF4_HD float MxDecode(uint32_t code, float s, uint32_t max_bits) {
-  const uint32_t b = cvt::Bits(cvt::Mul(Fp8Value<kKind>(code), s)), mag = b & 0x7FFFFFFFu;
+JF4_HD float MxSaturate(float v, uint32_t code, float s, uint32_t max_bits) {
+  const uint32_t b = cvt::Bits(v), mag = b & 0x7FFFFFFFu;
   const uint32_t c = code & 0x7Fu;  // > 0 whenever mag > max_bits
-  if (mag <= max_bits || mag > 0x7F800000u || (kKind == kMxfp8E5m2 && c == 0x7Cu)) return cvt::Float(b);
+  if (mag <= max_bits || mag > 0x7F800000u || (kKind == kMxfp8E5m2 && c == 0x7Cu)) return v;
   const float mid = cvt::Mul(Fp8Value<kKind>(c) + Fp8Value<kKind>(c - 1u), 0.5f);  // exact
   return cvt::Float(cvt::Bits(cvt::Mul(mid, s)) <= max_bits ? (b & 0x80000000u) | max_bits : b);
+}
+template <int kKind>
+JF4_HD float MxDecode(uint32_t code, float s, uint32_t max_bits) {
+  return MxSaturate<kKind>(cvt::Mul(Fp8Value<kKind>(code), s), code, s, max_bits);
 }
 
 #if defined(__CUDACC__)  // output packing of the kernels (device types)

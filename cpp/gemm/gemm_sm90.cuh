@@ -195,12 +195,22 @@ __device__ __forceinline__ void DecodeFp4(const Fp4Regs& r, STensor& s, int row,
   }
 }
 
+// bf16 bits of the emulation's MXFP8 operand value of one code under E8M0 code e (dequantize::MxDecode with bf16's
+// range): DecodeFp8's path for a half whose bf16x2 product overflowed (out of line: rare, keeps the loop's registers).
+template <__nv_fp8_interpretation_t kElem>
+__device__ __noinline__ uint32_t MxBf16(uint32_t code, uint32_t e) {
+  constexpr int kKind = kElem == __NV_E4M3 ? codes::kMxfp8E4m3 : codes::kMxfp8E5m2;
+  const float v = dequantize::MxDecode<kKind>(code, dequantize::E8M0Value(e), dequantize::kBf16MaxBits);
+  return dequantize::OutBits<__nv_bfloat16>(v);
+}
+
 // Decodes one thread's 32 MXFP8 codes: RN_bf16(value * 2^(e-127)). Per pair of codes: one fp8x2 -> f16x2
 // conversion, two exact widenings, one exact bf16x2 pack (E4M3 / E5M2 values have <= 4 significant bits and lie in
 // [2^-16, 57344], normal in bf16), and one bf16x2 multiply by the scale 2^(e-127) (a bf16: 2^-127 is a bf16
 // subnormal, e = 255 NaN), correctly rounded with subnormals kept. The exact product's lowest bit is >= 2^-143, so
-// it is exact in fp32 and this single rounding equals the emulation's RN_bf16(RN_f32(value * scale)); overflow gives
-// inf either way.
+// it is exact in fp32 and this single rounding equals the emulation's RN_bf16(RN_f32(value * scale)). An infinite
+// half is redone by MxBf16: a code that rounded up past bf16's range gives bf16 max, as the emulation's dequantize
+// (docs/numerics.md section 2, Dequantize).
 template <__nv_fp8_interpretation_t kElem, typename STensor>
 __device__ __forceinline__ void DecodeFp8(const Fp8Regs& r, STensor& s, int row, int half, int st) {
   const uint32_t e = r.s & 0xFFu;
@@ -214,11 +224,13 @@ __device__ __forceinline__ void DecodeFp8(const Fp8Regs& r, STensor& s, int row,
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const uint32_t word = w[2 * c + i / 2];
-      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
-          static_cast<__nv_fp8x2_storage_t>((i & 1) ? (word >> 16) : (word & 0xFFFFu)), kElem);
+      const uint32_t pair = (i & 1) ? (word >> 16) : (word & 0xFFFFu);
+      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair), kElem);
       const float2 f = __half22float2(__half2(h));
       const __nv_bfloat162 b = __hmul2_rn(__floats2bfloat162_rn(f.x, f.y), sc);
       o[i] = *reinterpret_cast<const uint32_t*>(&b);
+      if ((o[i] & 0x7FFFu) == 0x7F80u) o[i] = (o[i] & 0xFFFF0000u) | MxBf16<kElem>(pair & 0xFFu, e);
+      if ((o[i] & 0x7FFF0000u) == 0x7F800000u) o[i] = (o[i] & 0xFFFFu) | (MxBf16<kElem>(pair >> 8, e) << 16);
     }
     Store8(s, row, 4 * half + c, st, make_uint4(o[0], o[1], o[2], o[3]));
   }
