@@ -74,7 +74,7 @@ def _route(fa, fb, implementation: str) -> str:
         if not _gemm_module.kernel_gemm_available():
             raise ValueError("dense: implementation='kernel' needs the jf4_gemm kernel (a GPU of compute capability "
                              "9.x and the CUDA extension built with it; jax_fp4.gemm.kernel_gemm_available())")
-        return "kernel" if _gemm_module.gemm_route(fa, fb) == "kernel" else "emulated"
+        return "kernel" if _gemm_module.kernel_formats_ok(fa, fb) else "emulated"
     return "emulated"
 
 

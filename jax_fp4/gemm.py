@@ -13,9 +13,11 @@ Three implementations, chosen at trace time:
     epilogue; the same semantics as "emulated" up to the accumulation order. It takes 2-D products: no batch axes,
     one contracting axis per operand (the block axis); the free axes of each operand are folded into M / N. Its
     operands are converted first: swizzled scales unswizzled, MXFP8 data and scales blocked along a non-last axis
-    transposed to K-major (NVFP4 2D scales are stored per row already). "auto" takes it on compute capability 9.x
-    when the CUDA extension provides `jf4_gemm` (`kernel_gemm_available`); elsewhere the primitive lowers to the
-    emulation, bit for bit.
+    transposed to K-major (NVFP4 2D scales are stored per row already). It runs on compute capability 9.x when the
+    CUDA extension provides `jf4_gemm` (`kernel_gemm_available`); elsewhere the primitive lowers to the emulation,
+    bit for bit. "auto" does not take it (`AUTO_TAKES_KERNEL`): on an H100 it reaches 0.29-0.35x cuBLAS bf16
+    TFLOP/s (docs/performance.md), slower than the emulated route's bf16 GEMM over exact operands, so it is
+    requested with implementation="kernel".
   * "native": `jax.nn.scaled_matmul` for MXFP8 x MXFP8 and NVFP4 1D x NVFP4 1D operands whose block axis is their
     only contracting axis and with no batch axes; the NVFP4 tensor scales are applied to its float32 result the same
     way. "auto" takes it on compute capability >= 10 (cuDNN's block-scaled GEMM on the tensor cores); it may be
@@ -43,10 +45,14 @@ from jax_fp4.quantized_array import ExactOperand, QuantizedArray
 from jax_fp4.reference.nvfp4 import decode_amax, tensor_decode_scale
 
 __all__ = ["scaled_dot_general", "exact_dot_general", "exact_operand", "ExactOperand", "native_gemm_available",
-           "kernel_gemm_available", "scaled_matmul_lowers", "gemm_route", "IMPLEMENTATIONS",
+           "kernel_gemm_available", "kernel_formats_ok", "scaled_matmul_lowers", "gemm_route", "IMPLEMENTATIONS",
            "canonical_dimension_numbers"]
 
 IMPLEMENTATIONS = ("auto", "emulated", "native", "kernel")
+
+# Whether implementation="auto" takes the jf4_gemm kernel on compute capability 9.x. Off: measured on an H100 the
+# kernel is slower than the emulated route (bf16 cuBLAS GEMM over exact operands), see docs/performance.md "GEMM".
+AUTO_TAKES_KERNEL = False
 
 
 def native_gemm_available() -> bool:
@@ -62,7 +68,8 @@ def native_gemm_available() -> bool:
 
 def kernel_gemm_available() -> bool:
     """True when the default device is a GPU of compute capability 9.x (Hopper) and the CUDA extension provides the
-    `jf4_gemm` kernel (sm_90a WGMMA): then implementation="auto" takes it."""
+    `jf4_gemm` kernel (sm_90a WGMMA): then implementation="kernel" may be requested (and "auto" takes it when
+    `AUTO_TAKES_KERNEL`)."""
     dev = jax.devices()[0]
     if dev.platform != "gpu" or not _gemm_prim.cuda_kernel_registered():
         return False
@@ -100,18 +107,24 @@ def _native_formats(fa, fb) -> bool:
     return not any(f.local_1x64 or f.rht or f.scaling_2d for f in (fa, fb))
 
 
+def kernel_formats_ok(fa, fb) -> bool:
+    """Whether `jf4_gemm` takes a pair of operand formats (NVFP4 1D/2D/RHT, MXFP8 E4M3/E5M2 in any pairing; NVFP4
+    1x64 only with 1x64)."""
+    return _gemm_prim.kernel_formats_ok(fa, fb)
+
+
 def gemm_route(fa, fb) -> str:
     """The route implementation="auto" takes on the default device for a 2-D product without batch axes of operands
     in formats fa and fb, each blocked along the contracted axis (every GEMM of `jax_fp4.dense`): "kernel"
-    (`jf4_gemm`, compute capability 9.x), "native" (compute capability >= 10) or "emulated"; "bf16" when fa or fb is
-    None (an unquantized GEMM: plain `lax.dot_general`).
+    (`jf4_gemm`, compute capability 9.x, only when `AUTO_TAKES_KERNEL`), "native" (compute capability >= 10) or
+    "emulated"; "bf16" when fa or fb is None (an unquantized GEMM: plain `lax.dot_general`).
 
     Args:
       fa, fb: `jax_fp4.Format` instances or None (as a `jax_fp4.recipes.Recipe` names its operands).
     """
     if fa is None or fb is None:
         return "bf16"
-    if _gemm_prim.kernel_formats_ok(fa, fb) and kernel_gemm_available():
+    if AUTO_TAKES_KERNEL and _gemm_prim.kernel_formats_ok(fa, fb) and kernel_gemm_available():
         return "kernel"
     return "native" if _native_formats(fa, fb) and native_gemm_available() else "emulated"
 
@@ -279,7 +292,7 @@ def _route(a, b, dn, implementation, bias) -> str:
                              f"jax.nn.scaled_matmul does not lower on {jax.default_backend()} (jax {jax.__version__})")
         return "native"
     if implementation == "auto":
-        if _kernel_ok(a, b, dn, bias) and kernel_gemm_available():
+        if AUTO_TAKES_KERNEL and _kernel_ok(a, b, dn, bias) and kernel_gemm_available():
             return "kernel"
         if _native_ok(a, b, dn) and native_gemm_available():
             return "native"

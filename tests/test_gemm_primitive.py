@@ -219,8 +219,24 @@ def test_kernel_gemm_available(monkeypatch, platform, cc, registered, want):
 
 @pytest.fixture
 def kernel_here(monkeypatch):
-    """Pretend the default device runs jf4_gemm (on the CPU the primitive lowers to the emulation)."""
+    """Pretend the default device runs jf4_gemm (on the CPU the primitive lowers to the emulation) and "auto" takes
+    it (gemm.AUTO_TAKES_KERNEL)."""
     monkeypatch.setattr(gemm_module, "kernel_gemm_available", lambda: True)
+    monkeypatch.setattr(gemm_module, "AUTO_TAKES_KERNEL", True)
+
+
+def test_auto_leaves_the_kernel_while_it_is_slower(rng, monkeypatch):
+    """With AUTO_TAKES_KERNEL off (the kernel measured slower than the emulated route), "auto" emulates even where
+    the kernel runs; implementation="kernel" still takes it."""
+    monkeypatch.setattr(gemm_module, "kernel_gemm_available", lambda: True)
+    monkeypatch.setattr(gemm_module, "AUTO_TAKES_KERNEL", False)
+    assert gemm_module.gemm_route(NV, NV) == "emulated"
+    assert gemm_routes(recipes.MXFP8())["fprop"] == "emulated"
+    assert gemm_routes(recipes.MXFP8(), "kernel") == {"fprop": "kernel", "dgrad": "kernel", "wgrad": "kernel"}
+    a, b = _operands(rng, "nvfp4")
+    assert "jf4_gemm" not in _primitives(lambda a, b: jax_fp4.scaled_dot_general(a, b, prim.TN), a, b)
+    assert "jf4_gemm" in _primitives(lambda a, b: jax_fp4.scaled_dot_general(a, b, prim.TN, implementation="kernel"),
+                                     a, b)
 
 
 def _primitives(fn, *args):

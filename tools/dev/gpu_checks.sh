@@ -53,7 +53,7 @@ for step in "${steps[@]}"; do
                    grep -A8 "^== " "$OUT/profile_dense.log" ;;
     bench-gemm) timeout 500 python3 -P "$R/benchmarks/gemm.py" --out "$OUT/gemm.json" > "$OUT/bench_gemm.log" 2>&1;
                 tail -45 "$OUT/bench_gemm.log" ;;
-    bench-dense-routes) timeout 550 python3 -P "$R/benchmarks/dense.py" --implementations auto,emulated \
+    bench-dense-routes) timeout 550 python3 -P "$R/benchmarks/dense.py" --implementations kernel,emulated \
                           --recipes mxfp8,nvfp4-fwd-mxfp8-bwd,nvfp4-1x64 --out "$OUT/dense_routes.json" \
                           > "$OUT/bench_dense_routes.log" 2>&1; tail -30 "$OUT/bench_dense_routes.log" ;;
     bench-amax) timeout 100 python3 -P "$R/benchmarks/amax.py" --out "$OUT/amax.json" > "$OUT/bench_amax.log" 2>&1;
