@@ -62,8 +62,9 @@ def env_report() -> dict:
     "cuda_compiler": nvcc version, "error": why it did not import}), "cpu_kernels" ({"built"}), "device"
     ({"platform", "kind", "count", "compute_capability": "9.0" on a GPU, else None}), "kernels" (what quantize /
     dequantize run on the default device: "CUDA kernels", "CPU kernels" or "reference"), "native_gemm" ({"auto":
-    compute capability >= 10, "on_request": jax.nn.scaled_matmul lowers here}), "kernel_gemm" ({"auto": the jf4_gemm
-    kernel runs here: compute capability 9.x and the CUDA extension with it}), "recipes" ({recipe name: {"fprop",
+    compute capability >= 10, "on_request": jax.nn.scaled_matmul lowers here}), "kernel_gemm" ({"on_request": the
+    jf4_gemm kernel runs here (compute capability 9.x and the CUDA extension with it), "auto": implementation="auto"
+    takes it}), "recipes" ({recipe name: {"fprop",
     "dgrad", "wgrad": "kernel", "native", "emulated" or "bf16"}}, the route implementation="auto" takes for each
     GEMM).
     """
@@ -85,7 +86,8 @@ def env_report() -> dict:
         "device": dev,
         "kernels": _kernels_here(dev["platform"], cuda["built"], cpu_built),
         "native_gemm": {"auto": gemm.native_gemm_available(), "on_request": gemm.scaled_matmul_lowers()},
-        "kernel_gemm": {"auto": gemm.kernel_gemm_available()},
+        "kernel_gemm": {"on_request": gemm.kernel_gemm_available(),
+                        "auto": gemm.AUTO_TAKES_KERNEL and gemm.kernel_gemm_available()},
         "recipes": routes,
     }
 
@@ -106,6 +108,7 @@ def format_env_report(report: dict | None = None) -> str:
     if dev["compute_capability"] is not None:
         dev_line += f", compute capability {dev['compute_capability']}"
     ng = r["native_gemm"]
+    kg = r.get("kernel_gemm", {})
     lines = [
         f"jax_fp4 {r['jax_fp4']} (Python {r['python']}, {r['platform']})",
         f"jax {pk['jax']}, jaxlib {pk['jaxlib']}; plugins: {plugins}",
@@ -115,7 +118,8 @@ def format_env_report(report: dict | None = None) -> str:
         f"quantize / dequantize here: {r['kernels']}",
         f"native GEMM (jax.nn.scaled_matmul): auto {'yes' if ng['auto'] else 'no (needs compute capability >= 10)'}; "
         f"on request: {'yes' if ng['on_request'] else 'no (does not lower here)'}",
-        f"jf4_gemm kernel: {'yes' if r.get('kernel_gemm', {}).get('auto') else 'no (needs compute capability 9.x)'}",
+        f"jf4_gemm kernel: on request {'yes' if kg.get('on_request') else 'no (needs compute capability 9.x)'}; "
+        f"auto {'yes' if kg.get('auto') else 'no'}",
         "GEMM route per recipe (implementation='auto'):",
         f"  {'recipe':<22}{'fprop':<10}{'dgrad':<10}{'wgrad'}",
     ]
