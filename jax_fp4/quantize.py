@@ -23,7 +23,7 @@ from jax_fp4._src.primitives.swizzle import unswizzle as _unswizzle
 from jax_fp4.formats import NVFP4, Format
 from jax_fp4.quantized_array import SCALE_LAYOUTS, ExactOperand, QuantizedArray
 from jax_fp4.reference import layout
-from jax_fp4.reference.nvfp4 import tensor_decode_scale
+from jax_fp4.reference.nvfp4 import tensor_decode_scale, window_nan
 from jax_fp4.reference.sr import philox_key
 from jax_fp4.validation import check_quantize_inputs
 
@@ -77,8 +77,12 @@ def _has_nan(x, *fmts):
     return jnp.any(jnp.isnan(x))
 
 
-def _wamax(fmt, w, shape):
-    return w.reshape(shape) if isinstance(fmt, NVFP4) and fmt.local_1x64 else None
+def _wamax(fmt, w, shape, x, axis):
+    """The 1x64 window amax a QuantizedArray carries (None for other formats): the kernel's, NaN for every window
+    holding a NaN of x (`window_nan`), as `_has_nan` does for the tensor amax; the encode used the finite one."""
+    if not (isinstance(fmt, NVFP4) and fmt.local_1x64):
+        return None
+    return jnp.where(window_nan(x, axis), jnp.float32(jnp.nan), w.reshape(shape))
 
 
 def quantize(x, fmt: Format, *, axis: int = -1, key=None, scale_layout: str = "compact") -> QuantizedArray:
@@ -121,7 +125,7 @@ def quantize(x, fmt: Format, *, axis: int = -1, key=None, scale_layout: str = "c
     data = data.reshape(fmt.data_shape(shape, axis))
     if scale_layout == "compact":
         scale = scale.reshape(fmt.scale_shape(shape, axis))
-    w = _wamax(fmt, w, fmt.window_amax_shape(shape, axis)) if isinstance(fmt, NVFP4) else None
+    w = _wamax(fmt, w, fmt.window_amax_shape(shape, axis), x, a)
     return QuantizedArray(data, scale, _scalar_amax(fmt, amax, _has_nan(x, fmt)), w, fmt=fmt, axis=axis,
                           scale_layout=scale_layout)
 
@@ -185,7 +189,7 @@ def quantize_rowwise_columnwise(x, row_fmt: Format | None, col_fmt: Format | Non
         scale = o["row_scale"]
         if scale_layout == "compact":
             scale = scale.reshape(row_fmt.scale_shape(x.shape, -1))
-        w = _wamax(row_fmt, o["row_wamax"], _window_shape(row_fmt, x.shape, -1))
+        w = _wamax(row_fmt, o["row_wamax"], _window_shape(row_fmt, x.shape, -1), x, -1)
         row = QuantizedArray(o["row_data"].reshape(row_fmt.data_shape(x.shape, -1)), scale,
                              _scalar_amax(row_fmt, amax_r, nan), w, fmt=row_fmt, axis=-1, scale_layout=scale_layout)
     if exact[1]:
@@ -195,7 +199,7 @@ def quantize_rowwise_columnwise(x, row_fmt: Format | None, col_fmt: Format | Non
         scale = o["col_scale"]
         if scale_layout == "compact":
             scale = scale.reshape(col_fmt.scale_shape((M, K), -2))
-        w = _wamax(col_fmt, o["col_wamax"], _window_shape(col_fmt, (M, K), -2))
+        w = _wamax(col_fmt, o["col_wamax"], _window_shape(col_fmt, (M, K), -2), x2, 0)
         col = QuantizedArray(o["col_data"].reshape(col_fmt.data_shape((M, K), -2)), scale,
                              _scalar_amax(col_fmt, amax_c, nan), w, fmt=col_fmt, axis=-2, scale_layout=scale_layout)
     return row, col, db

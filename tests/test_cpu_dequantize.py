@@ -85,7 +85,8 @@ def test_arbitrary_codes(fmt):
         if isinstance(fmt, NVFP4) else jnp.zeros((0,), jnp.float32)
     # (No subnormal window amax: XLA:CPU's DAZ inside the reference's fused `is_zero` reads one as 0, unlike the
     # kernels' IEEE compare.)
-    wamax = jnp.asarray(np.resize(np.array([0.0, 1e-30, 1.0, np.inf, 3e38, 1e-12], np.float32), (P, R, C // 64))) \
+    wamax = jnp.asarray(np.resize(np.array([0.0, 1e-30, 1.0, np.inf, 3e38, 1e-12, np.nan], np.float32),
+                                  (P, R, C // 64))) \
         if isinstance(fmt, NVFP4) and fmt.local_1x64 else jnp.zeros((0,), jnp.float32)
     for dt in OUT:
         params = dict(fmt=fmt, out_dtype=jnp.dtype(dt), scale_layout="compact", mx_columnwise=False,

@@ -167,8 +167,8 @@ def test_edge_inputs(rng, fmt):
 
 def test_arbitrary_codes(rng):
     """Random codes in every field: all 256 scale codes (E4M3 and E8M0 NaN included), every data code, tensor amax
-    0 / subnormal / inf / huge, window amax 0 / normal (a subnormal one is read as zero by the CPU reference inside
-    XLA:CPU's denormals-are-zero fusions; quantize never stores one beside a nonzero block scale)."""
+    0 / subnormal / inf / huge, window amax 0 / normal / NaN (a subnormal one is read as zero by the CPU reference
+    inside XLA:CPU's denormals-are-zero fusions; quantize never stores one beside a nonzero block scale)."""
     raws, templates = [], []
     for i, fmt in enumerate(FORMATS):
         for axis, layout in ((-1, "swizzled"), (0, "compact")):
@@ -178,7 +178,7 @@ def test_arbitrary_codes(rng):
             if "amax" in r:
                 r["amax"] = np.float32([0.0, 1e-40, np.inf, 3e38, 2688.0, 0.5][(i + axis) % 6])
             if "window_amax" in r:
-                r["window_amax"] = rng.choice(np.float32([0, 1e-13, 0.7, 5e3, 3e38]), r["window_amax"].shape)
+                r["window_amax"] = rng.choice(np.float32([0, 1e-13, 0.7, 5e3, 3e38, np.nan]), r["window_amax"].shape)
             raws.append(r)
             templates.append(t)
     gpu_vs_cpu(dequantize_all(templates, OUT), raws, what="random codes")

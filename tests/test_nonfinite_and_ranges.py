@@ -214,3 +214,47 @@ def test_mxfp8_saturated_operand_gives_a_finite_gemm():
     want = np.asarray(x, np.float64) * 2**-4
     at_max = np.abs(np.asarray(x, np.float32)) == float(jnp.finfo(jnp.bfloat16).max)
     assert np.isfinite(y).all() and (np.abs(y - want)[at_max] <= np.abs(want)[at_max] * 2**-3).all()
+
+
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_nan_visible_through_1x64(axis):
+    """NVFP4 1x64: the codes, scales and window amaxes are the encode's (NaN ignored), except that the window amax
+    of each 1x64 window holding a NaN is NaN, so exactly that window dequantizes to NaN (kernels where built and the
+    reference, same bits), and the 1x64 GEMM emulation and dense show it."""
+    fmt = NVFP4(local_1x64=True)
+    x = np.array(jax.random.normal(jax.random.key(5), (64, 128), jnp.float32))
+    x[5, 70] = np.nan
+    q = jax_fp4.quantize(jnp.asarray(x), fmt, axis=axis)
+    ref = jax_fp4.reference.quantize(jnp.asarray(x), fmt, axis=axis)
+    enc = ref_nvfp4.quantize_1x64(jnp.moveaxis(jnp.asarray(x), axis, -1))  # the encode itself: finite windows
+    w, want_w = np.asarray(q.window_amax), np.asarray(enc.window_amax).copy()
+    hit = (5, 1) if axis == -1 else (70, 0)  # stored orientation [rows, windows]
+    want_w[hit] = np.nan
+    np.testing.assert_array_equal(w.view(np.uint32), want_w.view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(ref.window_amax).view(np.uint32), want_w.view(np.uint32))
+    np.testing.assert_array_equal(_bits(q.data), np.asarray(enc.codes))
+    np.testing.assert_array_equal(_bits(q.scale), np.asarray(enc.scale_codes))
+    for out in (jnp.float32, jnp.bfloat16):
+        y = np.asarray(jax_fp4.dequantize(q, out), np.float32)
+        want = np.asarray(jax_fp4.reference.dequantize(ref.data, ref.scale, None, ref.window_amax, fmt, axis, out),
+                          np.float32)
+        np.testing.assert_array_equal(y.view(np.uint32), want.view(np.uint32))
+        nan = np.zeros(x.shape, bool)
+        if axis == -1:
+            nan[5, 64:128] = True
+        else:
+            nan[0:64, 70] = True
+        np.testing.assert_array_equal(np.isnan(y), nan)
+    row, col, _ = jax_fp4.quantize_rowwise_columnwise(jnp.asarray(x), fmt, fmt)
+    assert np.isnan(np.asarray(row.window_amax)).sum() == 1 and np.isnan(np.asarray(col.window_amax)).sum() == 1
+    b = jax_fp4.quantize(jnp.asarray(np.tile(W, (2, 2))), fmt, axis=0)  # [128, 64], blocks along K
+    a = jax_fp4.quantize(jnp.asarray(x), fmt)
+    y = np.asarray(jax_fp4.scaled_dot_general(a, b, (((1,), (0,)), ((), ()))))
+    assert np.isnan(y[5]).all() and np.isfinite(np.delete(y, 5, 0)).all()
+    assert np.isnan(np.asarray(jax_fp4.fake_quantize(jnp.asarray(x), fmt))[5, 64:]).all()
+    xd = x[:, :64].copy()
+    for where in ("x", "w"):
+        xx, ww = xd.copy(), np.array(jax.random.normal(jax.random.key(6), (64, 64), jnp.float32))
+        (xx if where == "x" else ww)[7, 9] = np.nan
+        y = np.asarray(jax.jit(lambda a, b: jax_fp4.dense(a, b, recipe=recipes.NVFP4_1x64()))(xx, ww))
+        assert np.isnan(y[7]).all() if where == "x" else np.isnan(y[:, 9]).all()

@@ -188,8 +188,10 @@ JF4_HD float GlobalEncodeScale(float amax) {
   return s == 0.0f ? 1.0f : s;
 }
 
-// 1x64: S_enc,w = min(2688 / max(A_w, 1e-12), FLT_MAX); 1 when A_w == 0.
+// 1x64: S_enc,w = min(2688 / max(A_w, 1e-12), FLT_MAX); 1 when A_w == 0; NaN for a NaN A_w (the decode of a window
+// that held a NaN, docs/numerics.md section 6; the encode's window amax ignores NaNs).
 JF4_HD float WindowEncodeScale(float window_amax) {
+  if (window_amax != window_amax) return window_amax;  // NaN (a window that held a NaN): its decode is NaN
   if (window_amax == 0.0f) return 1.0f;
 #if defined(__CUDA_ARCH__)
   return fminf(__fdiv_rn(kEncNumerator, fmaxf(window_amax, kWindowFloor())), FLT_MAX);

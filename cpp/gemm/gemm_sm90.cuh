@@ -121,12 +121,12 @@ __device__ __forceinline__ void LoadFp8(Fp8Regs& r, const HalfRow& h, int K, int
 
 // The 1x64 decode factor RN(1 / S_enc,w) of a window with amax A: S_enc,w = min(2688 / max(A, 1e-12), FLT_MAX),
 // 1 for A == 0 (docs/numerics.md section 1, the reference's quantize_1x64 / dequantize), both divisions IEEE. A NaN
-// amax gives S_enc,w = FLT_MAX, as the reference's min on the bit patterns does.
+// amax (a window that held a NaN) gives NaN, as the reference's decode (docs/numerics.md section 6).
 __device__ __forceinline__ float WindowFactor(float amax) {
   constexpr float kFltMax = 3.402823466e38f;
   if (amax == 0.0f) return 1.0f;
-  const float s = amax != amax ? kFltMax : fminf(__fdiv_rn(2688.0f, fmaxf(amax, cvt::kWindowFloor())), kFltMax);
-  return __fdiv_rn(1.0f, s);
+  if (amax != amax) return amax;
+  return __fdiv_rn(1.0f, fminf(__fdiv_rn(2688.0f, fmaxf(amax, cvt::kWindowFloor())), kFltMax));
 }
 
 // Shared-memory tile layouts: K-major, 128-byte swizzle (the WGMMA descriptor's SW128 K-major mode).

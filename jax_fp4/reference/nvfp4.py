@@ -143,6 +143,15 @@ def quantize_1x64(y) -> NVFP4Parts:
     return NVFP4Parts(q, sc, None, wamax)
 
 
+def window_nan(x, axis: int):
+    """bool [..., n/64]: which 1x64 windows of x (block axis `axis`, n = x.shape[axis], stored orientation: the
+    block axis moved last) hold a NaN. The window amax ignores NaNs (fmax) and E2M1 has no NaN, so a 1x64 tensor
+    would lose a NaN of x; `quantize` encodes with the finite window amax and carries NaN in place of the window
+    amax of such a window, which then dequantizes (and multiplies) to NaN (docs/numerics.md section 6)."""
+    y = jnp.isnan(jnp.moveaxis(jnp.asarray(x), axis, -1))
+    return jnp.any(y.reshape(*y.shape[:-1], y.shape[-1] // NVFP4.window_size, NVFP4.window_size), axis=-1)
+
+
 def decode_amax(amax):
     """The tensor amax the decode uses: max(amax, fp32(2688 / FLT_MAX)) for amax > 0 (0 and NaN stay).
 
@@ -176,14 +185,15 @@ def dequantize(q_codes, scale_codes, amax, window_amax, fmt: NVFP4):
     """NVFP4 codes [..., n] + E4M3 scale codes [..., n/16] -> float32 values [..., n] (block axis last).
 
     1D/2D: x = value(q) * decode_scale(s_b, amax) (TE's (s_b * amax) * fp32(1/2688) for amax in [7.9e-36, 7.6e35]);
-    1x64: x = (value(q) * s_b) / S_enc,w; RHT: then @ H.T.
+    1x64: x = (value(q) * s_b) / S_enc,w (NaN for a NaN window amax); RHT: then @ H.T.
     """
     bs = fmt.block_size
     v = codes.e2m1_value(q_codes).reshape(*q_codes.shape[:-1], q_codes.shape[-1] // bs, bs)
     s_b = _e4m3_value(scale_codes)
-    if fmt.local_1x64:
+    if fmt.local_1x64:  # a NaN window amax (a window that held a NaN, `window_nan`) decodes its window to NaN
         s_enc_w = _min_flt_max(_f32.div(ENC_NUMERATOR, jnp.maximum(window_amax, WINDOW_FLOOR)))
         s_enc_w = jnp.where(_f32.is_zero(window_amax), F32(1), s_enc_w)
+        s_enc_w = jnp.where(jnp.isnan(window_amax), F32(jnp.nan), s_enc_w)
         s_enc_b = lax.optimization_barrier(jnp.repeat(s_enc_w, fmt.window_size // bs, axis=-1))  # see quantize_1x64
         x = _f32.div(_f32.mul(v, s_b[..., None]), s_enc_b[..., None])
     else:

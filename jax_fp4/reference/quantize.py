@@ -35,9 +35,11 @@ def quantize(x, fmt: Format, *, axis: int = -1, key=None) -> Quantized:
         amax = p.amax
         if amax is not None and x.size:  # NaN stays visible (docs/numerics.md s6): the encode above
             amax = jnp.where(jnp.any(jnp.isnan(x)), jnp.float32(jnp.nan), amax)  # used the finite amax
+        wamax = p.window_amax
+        if wamax is not None:  # likewise per 1x64 window
+            wamax = jnp.where(nvfp4.window_nan(y, -1), jnp.float32(jnp.nan), wamax)
         return Quantized(
-            codes.to_dtype(p.codes, fmt.data_dtype), codes.to_dtype(p.scale_codes, fmt.scale_dtype), amax,
-            p.window_amax,
+            codes.to_dtype(p.codes, fmt.data_dtype), codes.to_dtype(p.scale_codes, fmt.scale_dtype), amax, wamax,
         )
     q, e = mxfp8.quantize(y, fmt)
     data = jnp.moveaxis(codes.to_dtype(q, fmt.data_dtype), -1, axis)
