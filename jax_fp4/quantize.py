@@ -125,7 +125,7 @@ def quantize(x, fmt: Format, *, axis: int = -1, key=None, scale_layout: str = "c
     data = data.reshape(fmt.data_shape(shape, axis))
     if scale_layout == "compact":
         scale = scale.reshape(fmt.scale_shape(shape, axis))
-    w = _wamax(fmt, w, fmt.window_amax_shape(shape, axis), x, a)
+    w = _wamax(fmt, w, _window_shape(fmt, shape, axis), x, a)
     return QuantizedArray(data, scale, _scalar_amax(fmt, amax, _has_nan(x, fmt)), w, fmt=fmt, axis=axis,
                           scale_layout=scale_layout)
 
