@@ -47,10 +47,11 @@ cudaError_t ComputeCapability(int* cc) {
 }
 
 // Raises the kernel's dynamic shared memory limit once per device (a host-side function attribute, set outside any
-// CUDA-graph capture after the first call on the device).
+// CUDA-graph capture after the first call on the device). `done` belongs to one kernel: every GemmKernel variant has
+// the same function type, so a static here would be shared by all of them and only the first would get its limit.
 template <typename Kernel>
-cudaError_t AllowSharedMemory(Kernel* kernel, int bytes) {
-  static std::atomic<uint64_t> done{0};  // bit d: set on device d (devices 0..63; others set it every call)
+cudaError_t AllowSharedMemory(Kernel* kernel, int bytes, std::atomic<uint64_t>& done) {
+  // done, bit d: set on device d (devices 0..63; others set it every call)
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
@@ -66,7 +67,8 @@ cudaError_t Launch(const Params& p, cudaStream_t stream) {
   auto* kernel = gemm::GemmKernel<kFp4A, kFp4B, kLocal>;
   using Cfg = gemm::Config<kLocal>;
   constexpr int kSmem = int(sizeof(typename Cfg::SharedStorage));
-  cudaError_t err = AllowSharedMemory(kernel, kSmem);
+  static std::atomic<uint64_t> done{0};  // per <kFp4A, kFp4B, kLocal> instantiation
+  cudaError_t err = AllowSharedMemory(kernel, kSmem, done);
   if (err != cudaSuccess) return err;
   const int64_t tiles = ((p.M + gemm::kBM - 1) / gemm::kBM) * ((p.N + Cfg::kBN - 1) / Cfg::kBN);
   kernel<<<dim3(unsigned(tiles)), dim3(gemm::kThreads), kSmem, stream>>>(p);
