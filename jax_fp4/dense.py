@@ -107,13 +107,29 @@ def _gemm(a, b, dn, route, out_dtype=jnp.float32, bias=None):
     return y.astype(out_dtype)
 
 
+def _window_pad(fmt, n: int) -> int:
+    """Zero rows / columns that make n a multiple of the 1x64 encode's 64 (0 for other formats)."""
+    return -n % NVFP4.window_size if isinstance(fmt, NVFP4) and fmt.local_1x64 else 0
+
+
 def _forward(recipe, implementation, x2, w, bias, key):
-    """y alone: only the fprop operands are quantized (no wgrad x, no dgrad w, no residuals)."""
+    """y alone: only the fprop operands are quantized (no wgrad x, no dgrad w, no residuals).
+
+    An NVFP4 1x64 fprop operand needs its non-block axis (x's M, w's N) to be a multiple of 64; a forward-only call
+    pads it with zero rows / columns and drops their outputs. The 1x64 windows lie along K, within one row of x or
+    one column of w, so the padding changes no other row's or column's codes, scales or window amax.
+    """
+    M, N = x2.shape[0], w.shape[1]
+    pm, pn = _window_pad(recipe.fprop_x, M), _window_pad(recipe.fprop_w, N)
+    if pm or pn:
+        x2, w = jnp.pad(x2, ((0, pm), (0, 0))), jnp.pad(w, ((0, 0), (0, pn)))
+        bias = None if bias is None else jnp.pad(bias, (0, pn))
     kx, kw, _ = operand_keys(key)
     ex = gemm_routes(recipe, implementation)["fprop"] == "emulated"
     x_fprop, _, _ = _quantize_pair(x2, recipe.fprop_x, None, kx, exact=(ex, False))
     _, w_fprop, _ = _quantize_pair(w, None, recipe.fprop_w, kw, exact=(False, ex))
-    return _gemm(x_fprop, w_fprop, _FPROP, gemm_routes(recipe, implementation)["fprop"], jnp.result_type(x2, w), bias)
+    y = _gemm(x_fprop, w_fprop, _FPROP, gemm_routes(recipe, implementation)["fprop"], jnp.result_type(x2, w), bias)
+    return y[:M, :N] if pm or pn else y
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -168,7 +184,9 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, implementation: str
 
     Forward-only calls (no VJP taken: inference, `jax.jit` without `grad`) quantize only the fprop operands (x
     rowwise, w along K), so they carry no wgrad / dgrad shape constraint (e.g. MXFP8's M % 32 of the columnwise x)
-    and write no residuals. Differentiated calls (`jax.grad`, `jax.vjp`) run the custom VJP. Forward-mode
+    and write no residuals; an NVFP4 1x64 fprop operand's M or N that is not a multiple of 64 is padded with zeros
+    (rows of x / columns of w are encoded independently, so the other outputs are unchanged).
+    Differentiated calls (`jax.grad`, `jax.vjp`) run the custom VJP. Forward-mode
     differentiation (`jax.jvp`, `jax.jacfwd`, `jax.hessian`) is not supported: it raises TypeError saying so.
 
     Returns:

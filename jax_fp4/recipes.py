@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+
 from jax_fp4.formats import MXFP8 as _MXFP8
 from jax_fp4.formats import NVFP4 as _NVFP4
 from jax_fp4.formats import Format
@@ -56,8 +59,15 @@ class Recipe:
 
     def check_key(self, key, where: str, *, backward: bool) -> None:
         """ValueError naming `where` when `key` is None but the forward (backward=False) or the forward and backward
-        (backward=True, a differentiated call) round stochastically."""
+        (backward=True, a differentiated call) round stochastically; TypeError when `key` is neither None nor a
+        JAX PRNG key (a typed key `jax.random.key(...)` or a raw uint32[2] `jax.random.PRNGKey(...)`)."""
         if key is not None:
+            typed = hasattr(key, "dtype") and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+            raw = hasattr(key, "dtype") and not typed and key.dtype == jnp.uint32 and tuple(jnp.shape(key))[-1:] == (2,)
+            if not (typed or raw):
+                got = f"{key.dtype}{list(jnp.shape(key))}" if hasattr(key, "dtype") else repr(key)
+                raise TypeError(f"{where}: key must be a JAX PRNG key (jax.random.key(seed)), got "
+                                f"{type(key).__name__} {got}")
             return
         if self.fprop_needs_key:
             raise ValueError(f"{where}: recipe {self.name} rounds an fprop operand stochastically and needs key=...")

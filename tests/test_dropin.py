@@ -224,3 +224,83 @@ def test_sr_stream_leaves_weights_and_dropout_unchanged(rngs):
     # dropout masks: ones through both models' dropout (in train mode) give the same mask
     ones = jnp.ones((4, 32), jnp.float32)
     np.testing.assert_array_equal(np.asarray(a.drop(ones)), np.asarray(b.drop(ones)))
+
+
+# ---- broader sweep: every recipe, other shapes and forms ------------------------------------------------------------
+ALL = [recipes.BF16(), recipes.MXFP8(), recipes.NVFP4(), recipes.NVFP4Fwd_MXFP8Bwd(), recipes.NVFP4_1x64()]
+
+
+@pytest.mark.parametrize("recipe", ALL, ids=lambda r: r.name)
+def test_inference_at_awkward_token_counts(recipe):
+    """Forward-only at M = 1, 30 and 33 tokens (and N = 32 outputs) with every recipe: NVFP4 1x64 pads its fprop
+    operands' M and N to 64 with zeros, which changes no other row: the rows equal those of a call on 64 tokens."""
+    x, w = _xw(64, seed=20)
+    full = jax.jit(lambda x, w: jax_fp4.dense(x, w, recipe=recipe))(x, w)
+    for m in (1, 30, 33):
+        y = jax.jit(lambda x, w: jax_fp4.dense(x, w, recipe=recipe))(x[:m], w)
+        assert y.shape == (m, 32) and np.isfinite(np.asarray(y, np.float32)).all()
+        if isinstance(recipe.fprop_x, NVFP4) and recipe.fprop_x.local_1x64 or not recipe.quantized:
+            np.testing.assert_array_equal(_bits(y), _bits(full[:m]))
+
+
+@pytest.mark.parametrize("form", ["leading", "batch", "rhs_trailing", "swapped"])
+def test_more_dense_general_forms(form):
+    """Contracting leading axes, batch axes beside two contracting axes, the kernel's trailing axes and contracting
+    axes given out of order: each equals `jax_fp4.dense` of the flattened operands bit for bit, and differentiates."""
+    dg = make_dot_general(MX)
+    if form == "leading":  # x[H, D, T] . w[H, D, N] over (H, D): x.reshape(K, T).T @ w.reshape(K, N)
+        a, b, dn = _n((4, 16, 32), 21), _n((4, 16, 32), 22), (((0, 1), (0, 1)), ((), ()))
+        want = jax_fp4.dense(a.reshape(64, 32).T, b.reshape(64, 32), recipe=MX)
+    elif form == "batch":
+        a, b, dn = _n((2, 32, 4, 16), 21), _n((2, 4, 16, 32), 22), (((2, 3), (1, 2)), ((0,), (0,)))
+        want = jnp.stack([jax_fp4.dense(a[i].reshape(32, 64), b[i].reshape(64, 32), recipe=MX) for i in range(2)])
+    elif form == "rhs_trailing":  # w[N, H, D]
+        a, b, dn = _n((32, 4, 16), 21), _n((32, 4, 16), 22), (((1, 2), (1, 2)), ((), ()))
+        want = jax_fp4.dense(a.reshape(32, 64), b.reshape(32, 64).T, recipe=MX)
+    else:  # x[T, D, H] contracted as (H, D) against w[H, D, N]: the pairs, not their order, define the product
+        a, b, dn = _n((32, 16, 4), 21), _n((4, 16, 32), 22), (((2, 1), (0, 1)), ((), ()))
+        want = jax_fp4.dense(jnp.swapaxes(a, 1, 2).reshape(32, 64), b.reshape(64, 32), recipe=MX)
+    got = jax.jit(lambda a, b: dg(a, b, dn))(a, b)
+    assert got.shape == jax.lax.dot_general(a, b, dn).shape
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    g = jax.grad(lambda a: dg(a, b, dn).astype(jnp.float32).sum())(a)
+    assert g.shape == a.shape and np.isfinite(np.asarray(g, np.float32)).all()
+
+
+@pytest.mark.parametrize("recipe", ALL[1:], ids=lambda r: r.name)
+def test_nonfinite_in_x_or_w_reaches_dense_and_dot_general(recipe):
+    """NaN and +-inf in x or in w: the output row / column is non-finite through `dense` and the drop-in."""
+    dg = make_dot_general(recipe)
+    f = jax.jit(lambda x, w: (jax_fp4.dense(x, w, recipe=recipe), dg(x, w, (((1,), (0,)), ((), ())))))
+    for val in (np.nan, np.inf, -np.inf):
+        for where in ("x", "w"):
+            x, w = (np.asarray(a, np.float32) for a in _xw(64, k=64, n=64, seed=23))
+            (x if where == "x" else w)[7, 9] = val
+            for y in f(x, w):
+                line = np.asarray(y)[7] if where == "x" else np.asarray(y)[:, 9]
+                assert not np.isfinite(line).any(), (val, where)
+                if np.isnan(val):
+                    assert np.isnan(line).all(), where
+
+
+def test_key_must_be_a_prng_key():
+    x, w = _xw(32, seed=24)
+    for bad in (3, "key", jnp.ones((3,), jnp.float32)):
+        with pytest.raises(TypeError, match="key must be a JAX PRNG key"):
+            jax_fp4.dense(x, w, recipe=recipes.NVFP4(), key=bad)
+    assert jax_fp4.dense(x, w, recipe=recipes.NVFP4(), key=jax.random.PRNGKey(0)).shape == (32, 32)
+
+
+@pytest.mark.parametrize("recipe", [recipes.MXFP8(), recipes.NVFP4(), recipes.NVFP4Fwd_MXFP8Bwd()],
+                         ids=lambda r: r.name)
+def test_ragged_dot_other_group_sizes(recipe):
+    """Forward-only ragged_dot with group sizes of 1, 2, 3 rows, a single full group and equal misaligned groups;
+    rows past the groups are 0. Differentiating with concrete misaligned sizes is a ValueError naming the group."""
+    x, w = _n((136, 64), 25).astype(jnp.float32), _n((4, 64, 32), 26).astype(jnp.float32)
+    for sizes in ([1, 2, 3, 130], [136, 0, 0, 0], [30, 30, 30, 30]):
+        s = np.array(sizes, np.int32)
+        y = np.asarray(jax_fp4.ragged_dot(x, w, s, recipe=recipe))
+        assert y.shape == (136, 32) and np.isfinite(y).all() and not y[sum(sizes):].any()
+    with pytest.raises(ValueError, match="group 0"):
+        jax.grad(lambda w: jax_fp4.ragged_dot(x, w, np.array([30, 30, 30, 30], np.int32), recipe=recipe,
+                                              key=KEY).sum())(w)

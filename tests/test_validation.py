@@ -143,3 +143,24 @@ def test_block_axis_must_be_an_int(axis):
         with pytest.raises(ValueError, match="block axis must be an int"):  # also a ValueError
             jax_fp4.fake_quantize(X, fmt, axis=axis)
     assert jax_fp4.quantize(X, MXFP8(), axis=np.int64(0)).axis == -2
+
+
+def test_quantized_array_more_inconsistent_fields():
+    """Fields inconsistent in other ways than the issue's: a wrongly typed amax, a format whose data dtype differs,
+    a reshaped (3-D) or mismatched scale, a 1x64 window amax on a 1D tensor, a format given as a string."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((32, 64)), jnp.float32)
+    q = jax_fp4.quantize(x, jax_fp4.NVFP4())
+    QA = jax_fp4.QuantizedArray
+    bad = {
+        "amax": lambda: QA(q.data, q.scale, jnp.int32(3), None, fmt=q.fmt, axis=-1),
+        "amax ": lambda: QA(q.data, q.scale, jnp.float16(3), None, fmt=q.fmt, axis=-1),
+        "data must be float8_e4m3fn": lambda: QA(q.data, q.scale, q.amax, None, fmt=jax_fp4.MXFP8(), axis=-1),
+        "compact scale": lambda: QA(q.data, q.scale.reshape(2, 16, 4), q.amax, None, fmt=q.fmt, axis=-1),
+        "compact scale ": lambda: QA(q.data[:, :48], q.scale, q.amax, None, fmt=q.fmt, axis=-1),
+        "window_amax": lambda: QA(q.data, q.scale, q.amax, jnp.ones((32, 1)), fmt=q.fmt, axis=-1),
+    }
+    for what, make in bad.items():
+        with pytest.raises(ValueError, match=what.strip()):
+            make()
+    with pytest.raises(TypeError, match="fmt must be a jax_fp4 Format"):
+        QA(q.data, q.scale, q.amax, None, fmt="nvfp4", axis=-1)
