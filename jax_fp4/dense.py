@@ -138,8 +138,7 @@ def _dense(recipe, implementation, x2, w, bias, key):
 
 
 def _dense_fwd(recipe, implementation, x2, w, bias, key):
-    recipe.check_key(key, "dense", backward=True)
-    kx, kw, kdy = operand_keys(key)
+    kx, kw, kdy = operand_keys(key)  # (the fprop key was checked by `dense`; dY's by the backward)
     routes = gemm_routes(recipe, implementation)
     ex = routes["fprop"] == "emulated"
     x_fprop, x_wgrad, _ = _quantize_pair(x2, recipe.fprop_x, recipe.wgrad_x, kx, exact=(ex, False))
@@ -153,6 +152,9 @@ def _dense_fwd(recipe, implementation, x2, w, bias, key):
 
 def _dense_bwd(recipe, implementation, res, dy):
     x_wgrad, w_dgrad, kdy, xs, ws, bs = res
+    # Checked here, not in the forward rule: jax.jvp also runs the forward rule, and must end in the forward-mode
+    # TypeError (reverse_mode_only), not in this one.
+    recipe.check_key(kdy, "dense", backward=True)
     has_bias = bs is not None
     routes = gemm_routes(recipe, implementation)
     dy_dgrad, dy_wgrad, db = _quantize_pair(dy, recipe.dgrad_dy, recipe.wgrad_dy, kdy, dbias=has_bias,

@@ -133,8 +133,7 @@ def _ragged(recipe, x, w, group_sizes, key):
 
 
 def _ragged_fwd(recipe, x, w, group_sizes, key):
-    recipe.check_key(key, "ragged_dot", backward=True)
-    kx, kw, kdy = operand_keys(key)
+    kx, kw, kdy = operand_keys(key)  # dY's key is checked by the backward (as in jax_fp4.dense)
     x_fprop, x_wgrad = _grouped_pair(x, group_sizes, recipe.fprop_x, recipe.wgrad_x, kx)
     w_dgrad, w_fprop = _weight_pair(w, recipe.dgrad_w, recipe.fprop_w, kw)
     y = _product(x_fprop, w_fprop, group_sizes, FPROP_DIMS)
@@ -146,6 +145,7 @@ def _ragged_fwd(recipe, x, w, group_sizes, key):
 
 def _ragged_bwd(recipe, res, dy):
     x_wgrad, w_dgrad, group_sizes, kdy, xs, ws = res
+    recipe.check_key(kdy, "ragged_dot", backward=True)
     dy_dgrad, dy_wgrad = _grouped_pair(dy, group_sizes, recipe.dgrad_dy, recipe.wgrad_dy, kdy)
     dx = _product(dy_dgrad, w_dgrad, group_sizes, DGRAD_DIMS).astype(xs.dtype)
     dw = _product(x_wgrad, dy_wgrad, group_sizes, WGRAD_DIMS).astype(ws.dtype)

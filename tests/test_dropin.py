@@ -304,3 +304,18 @@ def test_ragged_dot_other_group_sizes(recipe):
     with pytest.raises(ValueError, match="group 0"):
         jax.grad(lambda w: jax_fp4.ragged_dot(x, w, np.array([30, 30, 30, 30], np.int32), recipe=recipe,
                                               key=KEY).sum())(w)
+
+
+@pytest.mark.parametrize("recipe", ALL[1:], ids=lambda r: r.name)
+def test_forward_mode_error_for_every_recipe(recipe):
+    """jvp through dense, the drop-in and ragged_dot ends in the forward-mode TypeError for every quantized recipe,
+    also without a key for recipes whose backward rounds stochastically (the key is checked by the backward)."""
+    x, w = (a.astype(jnp.float32) for a in _xw(64, k=64, n=64, seed=27))
+    dg = make_dot_general(recipe)
+    calls = [lambda x: jax_fp4.dense(x, w, recipe=recipe), lambda x: dg(x, w, (((1,), (0,)), ((), ())))]
+    if not (isinstance(recipe.fprop_x, NVFP4) and recipe.fprop_x.local_1x64):  # (1x64: no grouped tensors)
+        calls.append(lambda x: jax_fp4.ragged_dot(x, jnp.stack([w, w]), jnp.array([32, 32], jnp.int32),
+                                                  recipe=recipe))
+    for f in calls:
+        with pytest.raises(TypeError, match="reverse-mode"):
+            jax.jvp(f, (x,), (x,))
