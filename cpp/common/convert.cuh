@@ -94,15 +94,17 @@ JF4_HD float AbsMax(float acc, float v) {
 //  * normal: RNE on the mantissa bits, then the exponent rebiased.
 template <int kMbits, int kBias, uint32_t kMax>
 inline uint32_t SmallFloatRne(float v) {
-  const uint32_t b = Bits(v), mag = b & 0x7FFFFFFFu, sign = (b >> 24) & 0x80u;
-  const float q = Float(mag) * Float(uint32_t(127 + kMbits + kBias - 1) << 23);
-  const uint32_t sub = Bits(q + 8388608.0f) - 0x4B000000u;  // 8388608 = 2^23
-  constexpr uint32_t shift = 23 - kMbits;
-  const uint32_t r = mag + ((1u << (shift - 1)) - 1u) + ((mag >> shift) & 1u);
-  const uint32_t normal = (r >> shift) - (uint32_t(127 - kBias) << kMbits);
-  uint32_t code = mag < (uint32_t(128 - kBias) << 23) ? sub : normal;  // exponent below 1 - kBias
-  code = (code > kMax || mag >= 0x7F800000u) ? kMax : code;
-  return mag > 0x7F800000u ? 0x7Fu : (sign | code);
+  // Compares are on signed ints (|v|'s bits and the selected code are below 2^31; SSE2 has no unsigned compare).
+  const uint32_t b = Bits(v), sign = (b >> 24) & 0x80u;
+  const int32_t mag = int32_t(b & 0x7FFFFFFFu);
+  const float q = Float(uint32_t(mag)) * Float(uint32_t(127 + kMbits + kBias - 1) << 23);
+  const int32_t sub = int32_t(Bits(q + 8388608.0f) - 0x4B000000u);  // 8388608 = 2^23
+  constexpr int shift = 23 - kMbits;
+  const uint32_t r = uint32_t(mag) + ((1u << (shift - 1)) - 1u) + ((uint32_t(mag) >> shift) & 1u);
+  const int32_t normal = int32_t(r >> shift) - ((127 - kBias) << kMbits);
+  int32_t code = mag < ((128 - kBias) << 23) ? sub : normal;  // exponent below 1 - kBias
+  code = (code > int32_t(kMax) || mag >= 0x7F800000) ? int32_t(kMax) : code;
+  return mag > 0x7F800000 ? 0x7Fu : (sign | uint32_t(code));
 }
 
 // Exact value of a code of such a format (finite codes only): normal codes as fp32 bits, subnormal ones as

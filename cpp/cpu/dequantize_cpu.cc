@@ -36,7 +36,7 @@ int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 // float16 bits of v, RNE with gradual underflow, overflow to inf, NaN -> 0x7E00 (the reference's canonical NaN).
 // Below 2^-14 the code is rint(|v| * 2^24) (multiples of 2^-24; may round up to 0x400): an exact scaling, rounded
 // once to nearest even by the sum with 2^23 (cvt::SmallFloatRne's form; both ranges computed, one selected).
-static uint32_t F16Rne(float v) {
+static JF4_CPU_INLINE uint32_t F16Rne(float v) {
   const uint32_t b = cvt::Bits(v), mag = b & 0x7FFFFFFFu, sign = (b >> 16) & 0x8000u;
   const uint32_t sub = cvt::Bits(cvt::Float(mag) * 16777216.0f + 8388608.0f) - 0x4B000000u;
   const uint32_t normal = ((mag + 0xFFFu + ((mag >> 13) & 1u)) >> 13) - (112u << 10);
@@ -53,6 +53,33 @@ void Store(void* out, int bytes, bool bf16, int64_t i, float v) {
     const uint16_t b = uint16_t(bf16 ? cvt::Bf16Rne(v) : F16Rne(v));
     std::memcpy(static_cast<uint8_t*>(out) + 2 * i, &b, 2);
   }
+}
+
+// Store of n consecutive output elements from element i on (one loop per output dtype, so each vectorises).
+JF4_CPU_CLONES static void StoreRun(void* out, int bytes, bool bf16, int64_t i, const float* v, int64_t n) {
+  if (bytes == 4) {
+    uint32_t* o = static_cast<uint32_t*>(out) + i;
+    for (int64_t k = 0; k < n; ++k) o[k] = v[k] != v[k] ? 0x7FC00000u : cvt::Bits(v[k]);
+  } else if (bf16) {
+    uint16_t* o = static_cast<uint16_t*>(out) + i;
+    for (int64_t k = 0; k < n; ++k) o[k] = uint16_t(cvt::Bf16Rne(v[k]));
+  } else {
+    uint16_t* o = static_cast<uint16_t*>(out) + i;
+    for (int64_t k = 0; k < n; ++k) o[k] = uint16_t(F16Rne(v[k]));
+  }
+}
+
+// v[k] = dequantize::MxDecode(d[k], s[k], max_bits) for n MXFP8 codes (s: per element scales; max_bits: the
+// output dtype's largest finite value, MxValue).
+template <int kKind>
+static JF4_CPU_INLINE void DecodeMx(const uint8_t* d, const float* s, int64_t n, uint32_t max_bits, float* v) {
+  for (int64_t k = 0; k < n; ++k) v[k] = dequantize::MxDecode<kKind>(d[k], s[k], max_bits);
+}
+JF4_CPU_CLONES static void DecodeMxRun(const Geometry& g, const uint8_t* d, const float* s, int64_t n, float* v) {
+  const uint32_t max_bits = g.out_bytes == 4 ? dequantize::kF32MaxBits
+                                             : (g.out_bf16 ? dequantize::kBf16MaxBits : dequantize::kF16MaxBits);
+  if (g.kind == dequantize::kMxfp8E4m3) DecodeMx<dequantize::kMxfp8E4m3>(d, s, n, max_bits, v);
+  else DecodeMx<dequantize::kMxfp8E5m2>(d, s, n, max_bits, v);
 }
 
 // Inverse RHT of one 16-chunk (reference/rht.py inverse): flush, butterfly (flushed), * 0.25 (flushed), signs.
@@ -73,10 +100,6 @@ float MxValue(int kind, int out_bytes, bool out_bf16, uint32_t code, float s) {
                                            : (out_bf16 ? dequantize::kBf16MaxBits : dequantize::kF16MaxBits);
   return kind == dequantize::kMxfp8E4m3 ? dequantize::MxDecode<dequantize::kMxfp8E4m3>(code, s, max_bits)
                                         : dequantize::MxDecode<dequantize::kMxfp8E5m2>(code, s, max_bits);
-}
-
-static float MxValue(const Geometry& g, uint32_t code, float s) {
-  return MxValue(g.kind, g.out_bytes, g.out_bf16, code, s);
 }
 
 // Row r of data[p]: NVFP4, or MXFP8 rowwise (blocks along C).
@@ -101,10 +124,10 @@ void DequantizeRow(const Geometry& g, int64_t p, int64_t r, float* v) {
     return;
   }
   const int64_t nb = C / 32;
-  const uint8_t* d = g.data + row * C;
+  float s[32];
   for (int64_t j = 0; j < nb; ++j) {
-    const float s = dequantize::E8M0Value(g.scale[ScaleIdx(g, row, j, nb)]);
-    for (int i = 0; i < 32; ++i) v[32 * j + i] = MxValue(g, d[32 * j + i], s);
+    std::fill(s, s + 32, dequantize::E8M0Value(g.scale[ScaleIdx(g, row, j, nb)]));
+    DecodeMxRun(g, g.data + row * C + 32 * j, s, 32, v + 32 * j);
   }
 }
 
@@ -113,27 +136,30 @@ int64_t DequantizeUnits(const Geometry& g) {
 }
 
 void DequantizeUnit(const Geometry& g, int64_t u) {
-  if (g.flags & kMxColumnwise) {  // MXFP8 blocks along R: a unit is one 32-row block of data[p]
+  if (g.flags & kMxColumnwise) {  // MXFP8 blocks along R: a unit is one 32-row block of data[p], decoded row by row
     const int64_t nbr = g.R / 32;
     const int64_t p = u / nbr, jb = u % nbr;
+    std::vector<float> s(g.C), v(g.C);
     for (int64_t c = 0; c < g.C; ++c) {
       const int64_t idx = (g.flags & kSwizzledFlag) ? layout::SwizzledIndex(p * g.C + c, jb, g.cols_padded)
                                                      : (p * nbr + jb) * g.C + c;
-      const float s = dequantize::E8M0Value(g.scale[idx]);
-      for (int i = 0; i < 32; ++i) {
-        const int64_t e = (p * g.R + 32 * jb + i) * g.C + c;
-        Store(g.out, g.out_bytes, g.out_bf16, e, MxValue(g, g.data[e], s));
-      }
+      s[c] = dequantize::E8M0Value(g.scale[idx]);
+    }
+    for (int64_t i = 0; i < 32; ++i) {
+      const int64_t row = p * g.R + 32 * jb + i;
+      DecodeMxRun(g, g.data + row * g.C, s.data(), g.C, v.data());
+      StoreRun(g.out, g.out_bytes, g.out_bf16, row * g.C, v.data(), g.C);
     }
     return;
   }
-  const bool transpose = g.flags & kTransposeOut;
   const int64_t p = u / g.R, r = u % g.R;
   std::vector<float> v(g.C);
   DequantizeRow(g, p, r, v.data());
-  for (int64_t c = 0; c < g.C; ++c) {
-    Store(g.out, g.out_bytes, g.out_bf16, transpose ? (p * g.C + c) * g.R + r : u * g.C + c, v[c]);
+  if (!(g.flags & kTransposeOut)) {
+    StoreRun(g.out, g.out_bytes, g.out_bf16, u * g.C, v.data(), g.C);
+    return;
   }
+  for (int64_t c = 0; c < g.C; ++c) Store(g.out, g.out_bytes, g.out_bf16, (p * g.C + c) * g.R + r, v[c]);
 }
 
 namespace {

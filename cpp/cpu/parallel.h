@@ -14,6 +14,21 @@
 
 #include "common/convert.cuh"
 
+// The hot loops of the handlers are compiled three times (x86-64 baseline, AVX2, AVX-512) and the widest one the CPU
+// runs is picked when the library loads (GCC function multiversioning, ifunc; glibc x86-64 only): JF4_CPU_CLONES on
+// a loop's function, JF4_CPU_INLINE on the element helpers it calls so they are compiled into each clone. The
+// results do not depend on the clone: the element arithmetic is IEEE binary32 with -ffp-contract=off either way.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define JF4_CPU_CLONES __attribute__((target_clones("default", "avx2", "arch=skylake-avx512")))
+#else
+#define JF4_CPU_CLONES
+#endif
+#if defined(__GNUC__)
+#define JF4_CPU_INLINE __attribute__((always_inline)) inline
+#else
+#define JF4_CPU_INLINE inline
+#endif
+
 namespace jax_fp4 {
 namespace cpu {
 
@@ -70,7 +85,7 @@ void ParallelFor(int64_t n, int64_t work, int64_t min_work, const Fn& fn) {
 }
 
 // Input element -> fp32, exact (bf16: the upper half; f16: subnormals become fp32 normals; reference/_f32.widen).
-inline float Widen(uint16_t h, bool bf16) {
+JF4_CPU_INLINE float Widen(uint16_t h, bool bf16) {
   if (bf16) return cvt::Float(uint32_t(h) << 16);
   const uint32_t sign = uint32_t(h >> 15) << 31, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
   if (e == 0x1F) return cvt::Float(sign | 0x7F800000u | (m << 13));
@@ -82,7 +97,7 @@ inline float Widen(uint16_t h, bool bf16) {
 }
 
 // n consecutive input elements of dtype `bytes` (2: bf16 when `bf16`, else f16; 4: f32) -> fp32.
-inline void WidenRun(const void* src, int64_t n, int bytes, bool bf16, float* dst) {
+JF4_CPU_INLINE void WidenRun(const void* src, int64_t n, int bytes, bool bf16, float* dst) {
   if (bytes == 4) {
     const float* s = static_cast<const float*>(src);
     std::copy(s, s + n, dst);

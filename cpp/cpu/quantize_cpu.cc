@@ -95,7 +95,7 @@ struct Input {
 };
 
 // Rows [r0, r0 + rows) of V[p] (the orientation's view of x) widened to fp32 into buf[rows][C].
-void LoadBand(const Input& in, bool col, int64_t p, int64_t r0, int rows, float* buf) {
+JF4_CPU_CLONES void LoadBand(const Input& in, bool col, int64_t p, int64_t r0, int rows, float* buf) {
   const int64_t M = in.M, K = in.K;
   if (!col) {
     for (int i = 0; i < rows; ++i) WidenRun(in.x + ((p * M + r0 + i) * K) * in.bytes, K, in.bytes, in.bf16, buf + i * K);
@@ -110,6 +110,16 @@ void LoadBand(const Input& in, bool col, int64_t p, int64_t r0, int rows, float*
 
 void RunOrientation(const Input& in, const Orientation& o) {
   if (o.kind == kNone) return;
+  if (o.col && o.kind != kNvfp4) {  // MXFP8 columnwise: a unit is one 32-row stripe of x[p], in x's layout
+    const int64_t stripes = in.M / 32;
+    ParallelFor(in.P * stripes, in.P * in.M * in.K, kMinWork, [&](int64_t u) {
+      const int64_t p = u / stripes, m0 = (u % stripes) * 32;
+      std::vector<float> buf(size_t(32) * in.K);
+      LoadBand(in, false, p, m0, 32, buf.data());
+      EncodeMxfp8Stripe(o, p, m0, buf.data());
+    });
+    return;
+  }
   const int64_t bands = (o.R + kBand - 1) / kBand;
   ParallelFor(o.P * bands, o.P * o.R * o.C, kMinWork, [&](int64_t u) {
     const int64_t p = u / bands, r0 = (u % bands) * kBand;
@@ -195,10 +205,23 @@ ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax_row, ffi::B
   return ffi::Error::Success();
 }
 
-// |x| as fp32 bits with NaN -> 0 (non-negative floats order like their bits): reference/amax.py abs_bits.
-inline uint32_t AbsBits(float v) {
+// |x| as fp32 bits with NaN -> 0 (non-negative floats order like their bits): reference/amax.py abs_bits. As a
+// signed int (the keys are below 2^31), so max loops vectorise without an unsigned max instruction.
+JF4_CPU_INLINE int32_t AbsBits(float v) {
   const uint32_t a = cvt::Bits(v) & 0x7FFFFFFFu;
-  return a > 0x7F800000u ? 0u : a;
+  return a > 0x7F800000u ? 0 : int32_t(a);
+}
+
+// max of AbsBits over n input elements of dtype `bytes` / `bf16` (Input).
+JF4_CPU_CLONES int32_t AbsBitsMax(const uint8_t* x, int64_t n, int bytes, bool bf16) {
+  float v[256];
+  int32_t m = 0;
+  for (int64_t i = 0; i < n; i += 256) {
+    const int64_t len = std::min<int64_t>(256, n - i);
+    WidenRun(x + i * bytes, len, bytes, bf16, v);
+    for (int64_t k = 0; k < len; ++k) m = std::max(m, AbsBits(v[k]));
+  }
+  return m;
 }
 
 ffi::Error AmaxImpl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out) {
@@ -213,14 +236,7 @@ ffi::Error AmaxImpl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   std::vector<uint32_t> part(chunks, 0u);
   ParallelFor(chunks, n, kMinWork, [&](int64_t u) {
     const int64_t b = u * kChunk, e = std::min(n, b + kChunk);
-    float v[256];
-    uint32_t m = 0;
-    for (int64_t i = b; i < e; i += 256) {
-      const int64_t len = std::min<int64_t>(256, e - i);
-      WidenRun(in.x + i * in.bytes, len, in.bytes, in.bf16, v);
-      for (int64_t k = 0; k < len; ++k) m = std::max(m, AbsBits(v[k]));
-    }
-    part[u] = m;
+    part[u] = uint32_t(AbsBitsMax(in.x + b * in.bytes, e - b, in.bytes, in.bf16));
   });
   uint32_t m = 0;
   for (uint32_t v : part) m = std::max(m, v);
@@ -248,13 +264,13 @@ ffi::Error RhtAmaxImpl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out,
       const int rows = int(std::min<int64_t>(kBand, R - r0));
       std::vector<float> buf(size_t(rows) * C);
       LoadBand(in, col != 0, p, r0, rows, buf.data());
-      uint32_t m = 0;
+      int32_t m = 0;
       for (int64_t c = 0; c < int64_t(rows) * C; c += 16) {
         float (&v)[16] = *reinterpret_cast<float(*)[16]>(buf.data() + c);
         cvt::RhtForward16(v);
         for (int i = 0; i < 16; ++i) m = std::max(m, AbsBits(v[i]));
       }
-      part[u] = m;
+      part[u] = uint32_t(m);
     });
   }
   for (int64_t p = 0; p < in.P; ++p) {

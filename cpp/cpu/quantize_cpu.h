@@ -40,5 +40,8 @@ struct Orientation {
 // Encodes rows [r0, r0 + rows) of V[p] held as fp32 in buf[rows][C] (RHT not yet applied).
 void EncodeBand(const Orientation& o, int64_t p, int64_t r0, int rows, float* buf);
 
+// MXFP8 columnwise: encodes the blocks of rows [m0, m0 + 32) of x[p], held as fp32 in buf[32][K] (x's layout).
+void EncodeMxfp8Stripe(const Orientation& o, int64_t p, int64_t m0, const float* buf);
+
 }  // namespace cpu
 }  // namespace jax_fp4
