@@ -11,6 +11,7 @@
 
 #include "common/convert.cuh"
 #include "common/errors.h"
+#include "common/ffi_checks.h"
 #include "common/ffi_codes.h"
 #include "common/ffi_utils.h"
 #include "common/scale_layout.cuh"
@@ -26,10 +27,8 @@ namespace {
 // jf4_dequantize flags (common/ffi_codes.h).
 constexpr int kRhtFlag = codes::dequantize::kRht, k1x64Flag = codes::dequantize::kLocal1x64,
               kSwizzledFlag = codes::dequantize::kSwizzled, kTransposeOut = codes::dequantize::kTransposeOut,
-              kMxColumnwise = codes::dequantize::kMxColumnwise, kBlockOnlyFlag = codes::dequantize::kBlockOnly;
+              kMxColumnwise = codes::dequantize::kMxColumnwise;
 constexpr int64_t kMinWork = 1 << 18;  // elements per extra thread
-
-int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 }  // namespace
 
@@ -171,62 +170,23 @@ void Run(const Geometry& g) {
 ffi::Error DequantizeImpl(ffi::AnyBuffer data, ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> amax,
                           ffi::Buffer<ffi::F32> window_amax, ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> out,
                           int32_t kind, int32_t flags) {
-  const auto dims = data.dimensions();
-  JF4_CHECK(dims.size() == 3, "jf4_dequantize: data must be rank 3 [P, R, C], got rank " +
-                                  std::to_string(dims.size()));
-  const int64_t P = dims[0], R = dims[1], C = dims[2];
-  const std::string where = "jf4_dequantize: data [" + std::to_string(P) + ", " + std::to_string(R) + ", " +
-                            std::to_string(C) + "]";
-  const bool nvfp4 = kind == dequantize::kNvfp4;
-  JF4_CHECK(nvfp4 || kind == dequantize::kMxfp8E4m3 || kind == dequantize::kMxfp8E5m2,
-            where + ": unknown kind " + std::to_string(kind));
-  const ffi::DataType dtype = nvfp4 ? ffi::DataType::F4E2M1FN
-                                    : (kind == dequantize::kMxfp8E4m3 ? ffi::DataType::F8E4M3FN : ffi::DataType::F8E5M2);
-  JF4_CHECK(data.element_type() == dtype, where + ": data dtype " + DataTypeName(data.element_type()));
-  const bool col = !nvfp4 && (flags & kMxColumnwise);
-  const bool local = nvfp4 && (flags & k1x64Flag);
-  const bool transpose = flags & kTransposeOut;
-  JF4_CHECK(!transpose || nvfp4, where + ": only NVFP4 output is transposed");
-  JF4_CHECK(!(flags & kMxColumnwise) || !nvfp4, where + ": kMxColumnwise is for MXFP8");
-  const int64_t bs = nvfp4 ? 16 : 32;
-  JF4_CHECK((col ? R % bs == 0 : C % bs == 0) && (!local || C % 64 == 0),
-            where + ": the block axis is not a whole number of blocks (1x64: windows)");
-  const int64_t rows = col ? P * C : P * R, cols = col ? R / bs : C / bs;
-  const bool swizzled = flags & kSwizzledFlag;
-  const int64_t scale_count = swizzled ? RoundUp(rows, 128) * RoundUp(cols, 4) : rows * cols;
-  JF4_CHECK(scale.element_type() == (nvfp4 ? ffi::DataType::F8E4M3FN : ffi::DataType::F8E8M0FNU),
-            where + ": scale dtype " + DataTypeName(scale.element_type()));
-  JF4_CHECK(static_cast<int64_t>(ElementCount(scale)) == scale_count,
-            where + ": scale holds " + std::to_string(ElementCount(scale)) + " elements, expected " +
-                std::to_string(scale_count));
-  const int64_t amax_count = static_cast<int64_t>(ElementCount(amax));
-  const bool block_only = nvfp4 && !local && amax_count == 0;
-  const bool tensor_scale = nvfp4 && !local && !block_only;
-  JF4_CHECK(!tensor_scale || amax_count == 1 || amax_count == P,
-            where + ": NVFP4 takes its tensor amax as 1 or P floats (or none: block scales only), got " +
-                std::to_string(amax_count));
-  JF4_CHECK(!(flags & kBlockOnlyFlag), where + ": kBlockOnly is set from an empty amax, not passed");
-  JF4_CHECK(!local || static_cast<int64_t>(ElementCount(window_amax)) == P * R * (C / 64),
-            where + ": 1x64 window amax must hold P*R*C/64 floats");
-  const auto od = out->dimensions();
-  JF4_CHECK(od.size() == 3 && od[0] == P && od[1] == (transpose ? C : R) && od[2] == (transpose ? R : C),
-            where + ": output shape mismatch");
-  const auto ot = out->element_type();
-  JF4_CHECK(ot == ffi::DataType::F32 || ot == ffi::DataType::BF16 || ot == ffi::DataType::F16,
-            where + ": output dtype " + DataTypeName(ot) + " (expected float32, bfloat16 or float16)");
-  if (P * R * C == 0) return ffi::Error::Success();
+  checks::DequantizeGeometry dg;
+  JF4_RETURN_IF_ERROR(checks::CheckDequantize(data, scale, ElementCount(amax), ElementCount(window_amax), *out, kind,
+                                              flags, &dg));
+  if (dg.P * dg.R * dg.C == 0) return ffi::Error::Success();
   Geometry g{};
   g.data = static_cast<const uint8_t*>(data.untyped_data());
   g.scale = static_cast<const uint8_t*>(scale.untyped_data());
-  g.amax = tensor_scale ? amax.typed_data() : nullptr;
-  g.amax_per_p = tensor_scale && amax_count == P && P > 1;
-  g.wamax = local ? window_amax.typed_data() : nullptr;
-  g.P = P, g.R = R, g.C = C, g.cols_padded = RoundUp(cols, 4);
+  g.amax = dg.tensor_scale ? amax.typed_data() : nullptr;
+  g.amax_per_p = dg.amax_per_p;
+  g.wamax = dg.local ? window_amax.typed_data() : nullptr;
+  g.P = dg.P, g.R = dg.R, g.C = dg.C, g.cols_padded = dg.cols_padded;
   g.kind = kind, g.flags = flags;
   g.out = out->untyped_data();
+  const auto ot = out->element_type();
   g.out_bytes = ot == ffi::DataType::F32 ? 4 : 2;
   g.out_bf16 = ot == ffi::DataType::BF16;
-  JF4_CHECK(g.data != nullptr && g.scale != nullptr && g.out != nullptr, where + ": null buffer");
+  JF4_CHECK(g.data != nullptr && g.scale != nullptr && g.out != nullptr, dg.where + ": null buffer");
   Run(g);
   return ffi::Error::Success();
 }
@@ -254,7 +214,7 @@ ffi::Error LayoutImpl(ffi::AnyBuffer in, ffi::RemainingArgs, ffi::Result<ffi::An
     batch *= cd[i];
   }
   const int64_t rows = cd[cd.size() - 2], cols = cd[cd.size() - 1];
-  const int64_t rp = RoundUp(rows, 128), cp = RoundUp(cols, 4);
+  const int64_t rp = checks::RoundUp(rows, 128), cp = checks::RoundUp(cols, 4);
   JF4_CHECK(sd[sd.size() - 2] == rp && sd[sd.size() - 1] == cp,
             where + ": the swizzled matrix must be [round_up(rows, 128), round_up(cols, 4)] = [" +
                 std::to_string(rp) + ", " + std::to_string(cp) + "]");
@@ -284,15 +244,7 @@ ffi::Error LayoutImpl(ffi::AnyBuffer in, ffi::RemainingArgs, ffi::Result<ffi::An
 }  // namespace jax_fp4
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jf4_cpu_dequantize, jax_fp4::cpu::DequantizeImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .RemainingArgs()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int32_t>("kind")
-                                  .Attr<int32_t>("flags"));
+                              jax_fp4::checks::DequantizeSignature(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jf4_cpu_swizzle, jax_fp4::cpu::LayoutImpl<true>,
                               xla::ffi::Ffi::Bind().Arg<xla::ffi::AnyBuffer>().RemainingArgs().Ret<xla::ffi::AnyBuffer>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jf4_cpu_unswizzle, jax_fp4::cpu::LayoutImpl<false>,

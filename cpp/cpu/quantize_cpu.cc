@@ -11,6 +11,7 @@
 
 #include "common/convert.cuh"
 #include "common/errors.h"
+#include "common/ffi_checks.h"
 #include "common/ffi_codes.h"
 #include "common/ffi_utils.h"
 #include "cpu/parallel.h"
@@ -21,69 +22,23 @@ namespace jax_fp4 {
 namespace cpu {
 namespace {
 
-constexpr size_t kShardKeyWords = 8;  // quantize.py SHARD_KEY_WORDS
 constexpr int64_t kMinWork = 1 << 18;  // elements per extra thread (smaller calls stay on the caller's thread)
 constexpr int kFlagSwizzled = codes::quantize::kSwizzled, kFlagDbias = codes::quantize::kDbias,
               kFlagRowExact = codes::quantize::kRowExact, kFlagColExact = codes::quantize::kColExact;
+using checks::kShardKeyWords;
+using checks::Shape;
 
-int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
-
-std::string Shape(int64_t a, int64_t b, int64_t c) {
-  return "[" + std::to_string(a) + ", " + std::to_string(b) + ", " + std::to_string(c) + "]";
-}
-
-ffi::DataType DataType(int kind) {
-  switch (kind) {
-    case kNvfp4: return ffi::DataType::F4E2M1FN;
-    case kMxfp8E4m3: return ffi::DataType::F8E4M3FN;
-    default: return ffi::DataType::F8E5M2;
-  }
-}
-
-ffi::Error CheckBuffer(const ffi::AnyBuffer& b, ffi::DataType dtype, int64_t count, const std::string& what) {
-  JF4_CHECK(b.element_type() == dtype, what + ": expected " + DataTypeName(dtype) + ", got " +
-                                           DataTypeName(b.element_type()));
-  JF4_CHECK(static_cast<int64_t>(ElementCount(b)) == count,
-            what + ": expected " + std::to_string(count) + " elements, got " + std::to_string(ElementCount(b)));
-  JF4_CHECK(count == 0 || b.untyped_data() != nullptr, what + ": null buffer");
-  return ffi::Error::Success();
-}
-
-// Validates one orientation's three results and fills `o` (the checks of quantize_ffi.cu SetupOrientation).
+// Validates one orientation's three results (common/ffi_checks.h) and fills `o`.
 ffi::Error Setup(Orientation& o, int64_t P, int64_t M, int64_t K, ffi::AnyBuffer data, ffi::AnyBuffer scale,
                  ffi::AnyBuffer wamax) {
-  const std::string side = o.col ? "columnwise" : "rowwise";
-  if (o.kind == kNone) {
-    JF4_CHECK(!o.exact, side + ": exact operand requested without a format");
-    return ffi::Error::Success();
-  }
-  JF4_CHECK(o.kind == kNvfp4 || o.kind == kMxfp8E4m3 || o.kind == kMxfp8E5m2,
-            side + ": unknown format kind " + std::to_string(o.kind));
-  const bool nvfp4 = o.kind == kNvfp4;
-  const int64_t bs = nvfp4 ? 16 : 32;
+  checks::QuantizeResults res;
+  JF4_RETURN_IF_ERROR(checks::CheckQuantizeOrientation(o.kind, o.opts, o.col, o.exact, o.swizzled, P, M, K, data,
+                                                       scale, wamax, &res));
+  if (o.kind == kNone) return ffi::Error::Success();
   o.P = P, o.R = o.col ? K : M, o.C = o.col ? M : K;
-  JF4_CHECK(o.C % bs == 0, side + ": block axis of x " + Shape(P, M, K) + " is not a multiple of " +
-                               std::to_string(bs));
-  const bool local = nvfp4 && (o.opts & k1x64);
-  if (local) JF4_CHECK(o.C % 64 == 0, side + ": 1x64 needs the block axis % 64 == 0, x " + Shape(P, M, K));
-  if (nvfp4 && (o.opts & k2d)) {
-    JF4_CHECK(o.R % 16 == 0, side + ": 2D scaling needs 16x16 tiles inside each x[p], x " + Shape(P, M, K));
-  }
-  JF4_CHECK(!(o.exact && local), side + ": no exact operand for 1x64 (its window scales do not factor out)");
-  JF4_RETURN_IF_ERROR(CheckBuffer(data, o.exact ? ffi::DataType::BF16 : DataType(o.kind), P * M * K, side + " data"));
-  const int64_t rows = P * o.R, cols = o.C / bs;
-  int64_t scale_count = rows * cols;
-  if (o.swizzled) {
-    o.cols_padded = RoundUp(cols, 4);
-    scale_count = RoundUp(rows, 128) * o.cols_padded;
-  }
-  JF4_RETURN_IF_ERROR(CheckBuffer(scale, nvfp4 ? ffi::DataType::F8E4M3FN : ffi::DataType::F8E8M0FNU, scale_count,
-                                  side + " scale"));
-  JF4_RETURN_IF_ERROR(CheckBuffer(wamax, ffi::DataType::F32, local ? rows * (o.C / 64) : 0, side + " window amax"));
-  o.data = static_cast<uint8_t*>(data.untyped_data());
-  o.scale = static_cast<uint8_t*>(scale.untyped_data());
-  o.wamax = local ? static_cast<float*>(wamax.untyped_data()) : nullptr;
-  if (o.swizzled && scale_count) std::memset(o.scale, 0, scale_count);  // the padding is part of the output
+  o.cols_padded = res.cols_padded;
+  o.data = res.data, o.scale = res.scale, o.wamax = res.wamax;
+  if (o.swizzled && res.scale_count) std::memset(o.scale, 0, res.scale_count);  // the padding is part of the output
   return ffi::Error::Success();
 }
 
@@ -155,34 +110,20 @@ ffi::Error InputOf(const ffi::AnyBuffer& x, const char* what, Input* in) {
   return ffi::Error::Success();
 }
 
-bool Supported(int row_kind, int col_kind) {  // the pairings of quantize_ffi.cu (the lowering splits the others)
-  if (row_kind == kNone || col_kind == kNone) return row_kind != col_kind;
-  if (row_kind == kNvfp4) return true;
-  return row_kind == col_kind;
-}
-
 ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax_row, ffi::Buffer<ffi::F32> amax_col,
                         ffi::Buffer<ffi::U32> key_row, ffi::Buffer<ffi::U32> key_col, ffi::RemainingArgs,
                         ffi::Result<ffi::AnyBuffer> row_data, ffi::Result<ffi::AnyBuffer> row_scale,
                         ffi::Result<ffi::AnyBuffer> row_wamax, ffi::Result<ffi::AnyBuffer> col_data,
                         ffi::Result<ffi::AnyBuffer> col_scale, ffi::Result<ffi::AnyBuffer> col_wamax,
                         ffi::Result<ffi::AnyBuffer> dbias, int32_t row_kind, int32_t col_kind, int32_t flags) {
-  const auto dims = x.dimensions();
-  JF4_CHECK(dims.size() == 3, "jf4_quantize: x must be rank 3 [P, M, K], got rank " + std::to_string(dims.size()));
+  int64_t P = 0, M = 0, K = 0;
+  JF4_RETURN_IF_ERROR(checks::CheckQuantizeOperands(x, ElementCount(amax_row), ElementCount(amax_col),
+                                                    ElementCount(key_row), ElementCount(key_col), row_kind, col_kind,
+                                                    flags, &P, &M, &K));
   Input in{};
   JF4_RETURN_IF_ERROR(InputOf(x, "jf4_quantize: x", &in));
-  const int64_t P = dims[0], M = dims[1], K = dims[2];
   in.P = P, in.M = M, in.K = K;
-  JF4_CHECK(Supported(row_kind, col_kind), "jf4_quantize: unsupported format pairing row_kind " +
-                                               std::to_string(row_kind) + ", col_kind " + std::to_string(col_kind));
-  JF4_CHECK(static_cast<int64_t>(ElementCount(amax_row)) == P && static_cast<int64_t>(ElementCount(amax_col)) == P,
-            "jf4_quantize: amax operands must hold P = " + std::to_string(P) + " floats");
-  const auto key_ok = [](size_t n) { return n == 2 || n == kShardKeyWords; };
-  JF4_CHECK(key_ok(ElementCount(key_row)) && key_ok(ElementCount(key_col)),
-            "jf4_quantize: keys must be uint32[2] (Philox key) or uint32[8] (a shard's stream words), got " +
-                std::to_string(ElementCount(key_row)) + " and " + std::to_string(ElementCount(key_col)) + " words");
   const bool swizzled = flags & kFlagSwizzled, with_dbias = flags & kFlagDbias;
-  JF4_CHECK(!with_dbias || col_kind != kNone, "jf4_quantize: dbias needs a columnwise output");
 
   Orientation row, col;
   const int mask = codes::quantize::kOptionMask;
@@ -196,7 +137,7 @@ ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax_row, ffi::B
   col.stream = ElementCount(key_col) == kShardKeyWords ? col.key + 2 : nullptr;
   JF4_RETURN_IF_ERROR(Setup(row, P, M, K, *row_data, *row_scale, *row_wamax));
   JF4_RETURN_IF_ERROR(Setup(col, P, M, K, *col_data, *col_scale, *col_wamax));
-  JF4_RETURN_IF_ERROR(CheckBuffer(*dbias, ffi::DataType::F32, with_dbias ? P * ((M + 63) / 64) * K : 0, "dbias"));
+  JF4_RETURN_IF_ERROR(checks::CheckDbias(*dbias, flags, P, M, K));
   if (P * M * K == 0) return ffi::Error::Success();
   JF4_CHECK(in.x != nullptr, "jf4_quantize: null input buffer");
   RunOrientation(in, row);
@@ -286,23 +227,7 @@ ffi::Error RhtAmaxImpl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out,
 }  // namespace jax_fp4
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jf4_cpu_quantize, jax_fp4::cpu::QuantizeImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
-                                  .RemainingArgs()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int32_t>("row_kind")
-                                  .Attr<int32_t>("col_kind")
-                                  .Attr<int32_t>("flags"));
+                              jax_fp4::checks::QuantizeSignature(xla::ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jf4_cpu_amax, jax_fp4::cpu::AmaxImpl,
                               xla::ffi::Ffi::Bind()
