@@ -18,7 +18,7 @@
 // runs is picked when the library loads (GCC function multiversioning, ifunc; glibc x86-64 only): JF4_CPU_CLONES on
 // a loop's function, JF4_CPU_INLINE on the element helpers it calls so they are compiled into each clone. The
 // results do not depend on the clone: the element arithmetic is IEEE binary32 with -ffp-contract=off either way.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__)
 #define JF4_CPU_CLONES __attribute__((target_clones("default", "avx2", "arch=skylake-avx512")))
 #else
 #define JF4_CPU_CLONES
