@@ -141,9 +141,16 @@ def _dense_fwd(recipe, implementation, x2, w, bias, key):
     kx, kw, kdy = operand_keys(key)  # (the fprop key was checked by `dense`; dY's by the backward)
     routes = gemm_routes(recipe, implementation)
     ex = routes["fprop"] == "emulated"
-    x_fprop, x_wgrad, _ = _quantize_pair(x2, recipe.fprop_x, recipe.wgrad_x, kx, exact=(ex, False))
-    w_dgrad, w_fprop, _ = _quantize_pair(w, recipe.dgrad_w, recipe.fprop_w, kw, exact=(False, ex))
-    y = _gemm(x_fprop, w_fprop, _FPROP, routes["fprop"], jnp.result_type(x2, w), bias)
+    if _window_pad(recipe.fprop_x, x2.shape[0]) or _window_pad(recipe.fprop_w, w.shape[1]):
+        # NVFP4 1x64 fprop operands padded to 64 rows / columns (`_forward`); the backward operands unpadded, each
+        # orientation quantized on its own (the same bits as one quantize_rowwise_columnwise call with these keys)
+        y = _forward(recipe, implementation, x2, w, bias, key)
+        _, x_wgrad, _ = _quantize_pair(x2, None, recipe.wgrad_x, kx)
+        w_dgrad, _, _ = _quantize_pair(w, recipe.dgrad_w, None, kw)
+    else:
+        x_fprop, x_wgrad, _ = _quantize_pair(x2, recipe.fprop_x, recipe.wgrad_x, kx, exact=(ex, False))
+        w_dgrad, w_fprop, _ = _quantize_pair(w, recipe.dgrad_w, recipe.fprop_w, kw, exact=(False, ex))
+        y = _gemm(x_fprop, w_fprop, _FPROP, routes["fprop"], jnp.result_type(x2, w), bias)
     res = (jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[0]), x_wgrad),
            jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[1]), w_dgrad),
            kdy, dtype_tag(x2), dtype_tag(w), None if bias is None else dtype_tag(bias))
@@ -186,8 +193,9 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, implementation: str
 
     Forward-only calls (no VJP taken: inference, `jax.jit` without `grad`) quantize only the fprop operands (x
     rowwise, w along K), so they carry no wgrad / dgrad shape constraint (e.g. MXFP8's M % 32 of the columnwise x)
-    and write no residuals; an NVFP4 1x64 fprop operand's M or N that is not a multiple of 64 is padded with zeros
-    (rows of x / columns of w are encoded independently, so the other outputs are unchanged).
+    and write no residuals. An NVFP4 1x64 fprop operand's M or N that is not a multiple of 64 is padded with zeros,
+    forward-only or differentiated (rows of x / columns of w are encoded independently, so the other outputs are
+    unchanged); the backward operands keep their own constraints.
     Differentiated calls (`jax.grad`, `jax.vjp`) run the custom VJP. Forward-mode
     differentiation (`jax.jvp`, `jax.jacfwd`, `jax.hessian`) is not supported: it raises TypeError saying so.
 

@@ -278,14 +278,15 @@ class MXFP8(Format):
 
     def _normalize(self, key, value):
         if key == "element":
+            given = value
             if not isinstance(value, str):
                 try:
-                    dt = jnp.dtype(value)
+                    dt = jnp.dtype(value) if value is not None else None  # (jnp.dtype(None) is float64)
                 except TypeError as e:
                     raise ValueError(f"MXFP8: element must be 'e4m3' or 'e5m2', got {value!r}") from e
                 value = {jnp.dtype(v): k for k, v in self._ELEMENTS.items()}.get(dt, str(dt))
             if value not in self._ELEMENTS:
-                raise ValueError(f"MXFP8: element must be 'e4m3' or 'e5m2', got {value!r}")
+                raise ValueError(f"MXFP8: element must be 'e4m3' or 'e5m2', got {given!r}")
         return value
 
     @property

@@ -319,3 +319,19 @@ def test_forward_mode_error_for_every_recipe(recipe):
     for f in calls:
         with pytest.raises(TypeError, match="reverse-mode"):
             jax.jvp(f, (x,), (x,))
+
+
+def test_1x64_differentiated_at_m_and_n_off_64():
+    """NVFP4 1x64 training at M = 96, N = 32: the fprop operands are padded to 64 (their forward equals the padded
+    call's rows and the forward-only call), the MXFP8 backward operands keep M % 32; the gradients have x's and
+    w's shapes."""
+    r = recipes.NVFP4_1x64()
+    x, w = (a.astype(jnp.float32) for a in _xw(96, k=64, n=32, seed=28))
+    y, pull = jax.vjp(lambda x, w: jax_fp4.dense(x, w, recipe=r), x, w)
+    np.testing.assert_array_equal(_bits(y), _bits(jax_fp4.dense(x, w, recipe=r)))
+    padded = jax_fp4.dense(jnp.pad(x, ((0, 32), (0, 0))), jnp.pad(w, ((0, 0), (0, 32))), recipe=r)[:96, :32]
+    np.testing.assert_array_equal(_bits(y), _bits(padded))
+    dx, dw = pull(jnp.ones_like(y))
+    assert dx.shape == x.shape and dw.shape == w.shape and np.isfinite(np.asarray(dx)).all()
+    with pytest.raises(ValueError, match="MXFP8.*element must be 'e4m3' or 'e5m2', got None"):
+        jax_fp4.MXFP8(element=None)
