@@ -55,7 +55,7 @@ float ElementAt(const Source& s, int64_t i) {
 
 // Rows [r0, r0 + rows) of the oriented view of the group at `off` (rowwise x_g [m, k], columnwise x_g.T [k, m]),
 // widened to fp32 into buf[rows][C]. The group lies inside the buffer.
-void LoadBand(const Source& s, int64_t off, int64_t m, int64_t k, bool col, int64_t r0, int rows, float* buf) {
+JF4_CPU_CLONES void LoadBand(const Source& s, int64_t off, int64_t m, int64_t k, bool col, int64_t r0, int rows, float* buf) {
   if (!col) {
     WidenRun(s.x + (off + r0 * k) * s.bytes, int64_t(rows) * k, s.bytes, s.bf16, buf);
     return;
@@ -155,14 +155,7 @@ void ComputeAmax(const Source& s, const GroupTable& t, Side& side, const Side* o
       part[i] = MaxBits(buf.data(), int64_t(buf.size()), true);
     } else {  // a max is order-free: a flat chunk of the group
       const int64_t b = u * kAmaxChunk, e = std::min(t.Count(g), b + kAmaxChunk);
-      float v[256];
-      uint32_t m = 0;
-      for (int64_t j = b; j < e; j += 256) {
-        const int64_t len = std::min<int64_t>(256, e - j);
-        WidenRun(s.x + (off + j) * s.bytes, len, s.bytes, s.bf16, v);
-        for (int64_t q = 0; q < len; ++q) m = std::max(m, AbsBits(v[q]));
-      }
-      part[i] = m;
+      part[i] = uint32_t(AbsBitsMax(s.x + (off + b) * s.bytes, e - b, s.bytes, s.bf16));
     }
   });
   std::vector<uint32_t> bits(t.n, 0u);
@@ -237,6 +230,9 @@ void Quantize(const Source& s, const GroupTable& t, Side& side, const Side* othe
     for (int64_t g = 0; g < n; ++g) side.amax_out[g] = t.Aligned(g, side.col, 16) ? side.enc[g] : nan;
     side.first.assign(n, 0), side.last.assign(n, 0);
   }
+  // MXFP8 columnwise: a unit is a 32-row stripe of x_g, encoded in x's layout (EncodeMxfp8Stripe, as jf4_quantize);
+  // otherwise 16 rows of the oriented view (EncodeBand).
+  const bool stripes = side.col && !side.Nvfp4();
   std::vector<GroupUnit> units;
   for (int64_t g = 0; g < n; ++g) {
     if (t.Count(g) == 0) continue;
@@ -244,8 +240,8 @@ void Quantize(const Source& s, const GroupTable& t, Side& side, const Side* othe
       units.push_back({g, -1});
       continue;
     }
-    const int64_t bands = (side.R(t, g) + kBand - 1) / kBand;
-    for (int64_t u = 0; u < bands; ++u) units.push_back({g, u});
+    const int64_t nu = stripes ? t.rows[g] / 32 : (side.R(t, g) + kBand - 1) / kBand;
+    for (int64_t u = 0; u < nu; ++u) units.push_back({g, u});
   }
   ParallelFor(int64_t(units.size()), t.End(), kMinWork, [&](int64_t i) {
     const int64_t g = units[i].g, u = units[i].u;
@@ -254,6 +250,12 @@ void Quantize(const Source& s, const GroupTable& t, Side& side, const Side* othe
       return;
     }
     const Orientation o = GroupOrientation(t, side, g);
+    if (stripes) {
+      std::vector<float> buf(size_t(32) * t.cols[g]);
+      LoadBand(s, t.off[g], t.rows[g], t.cols[g], false, 32 * u, 32, buf.data());
+      EncodeMxfp8Stripe(o, 0, 32 * u, buf.data());
+      return;
+    }
     const int64_t r0 = u * kBand;
     const int rows = int(std::min<int64_t>(kBand, o.R - r0));
     std::vector<float> buf(size_t(rows) * o.C);

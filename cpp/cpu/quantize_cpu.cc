@@ -153,7 +153,9 @@ JF4_CPU_INLINE int32_t AbsBits(float v) {
   return a > 0x7F800000u ? 0 : int32_t(a);
 }
 
-// max of AbsBits over n input elements of dtype `bytes` / `bf16` (Input).
+}  // namespace
+
+// max of AbsBits over n input elements of dtype `bytes` / `bf16` (Input); quantize_cpu.h.
 JF4_CPU_CLONES int32_t AbsBitsMax(const uint8_t* x, int64_t n, int bytes, bool bf16) {
   float v[256];
   int32_t m = 0;
@@ -164,6 +166,8 @@ JF4_CPU_CLONES int32_t AbsBitsMax(const uint8_t* x, int64_t n, int bytes, bool b
   }
   return m;
 }
+
+namespace {
 
 ffi::Error AmaxImpl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   JF4_CHECK(ElementCount(*out) == 1,

@@ -43,5 +43,9 @@ void EncodeBand(const Orientation& o, int64_t p, int64_t r0, int rows, float* bu
 // MXFP8 columnwise: encodes the blocks of rows [m0, m0 + 32) of x[p], held as fp32 in buf[32][K] (x's layout).
 void EncodeMxfp8Stripe(const Orientation& o, int64_t p, int64_t m0, const float* buf);
 
+// max over n input elements (x of dtype `bytes`: 2 bf16 when `bf16`, else f16; 4 f32) of |v| as fp32 bits, NaN
+// counting 0 (reference/amax.py abs_bits), as an int32 (the keys are below 2^31).
+int32_t AbsBitsMax(const uint8_t* x, int64_t n, int bytes, bool bf16);
+
 }  // namespace cpu
 }  // namespace jax_fp4
