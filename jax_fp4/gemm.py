@@ -164,6 +164,10 @@ def _check(a, b, dimension_numbers):
             raise ValueError(f"scaled_dot_general: {name} must be a jax_fp4.QuantizedArray, got {type(q).__name__}")
         q.validate()
     (ca, cb), (ba, bb) = canonical_dimension_numbers(dimension_numbers, len(a.shape), len(b.shape))
+    for d0, d1 in zip(ca + ba, cb + bb, strict=True):
+        if a.shape[d0] != b.shape[d1]:
+            raise ValueError(f"scaled_dot_general: lhs dimension {d0} ({a.shape[d0]}) != rhs dimension {d1} "
+                             f"({b.shape[d1]}) for lhs {a!r} and rhs {b!r} with {dimension_numbers}")
     for name, q, c in (("lhs", a, ca), ("rhs", b, cb)):
         if q.axis % len(q.shape) not in c:
             raise ValueError(

@@ -164,3 +164,10 @@ def test_quantized_array_more_inconsistent_fields():
             make()
     with pytest.raises(TypeError, match="fmt must be a jax_fp4 Format"):
         QA(q.data, q.scale, q.amax, None, fmt="nvfp4", axis=-1)
+
+
+def test_scaled_dot_general_sizes_must_pair():
+    a = jax_fp4.quantize(jnp.ones((64, 64), jnp.float32), MXFP8())
+    b = jax_fp4.quantize(jnp.ones((32, 64), jnp.float32), MXFP8(), axis=0)
+    with pytest.raises(ValueError, match=r"lhs dimension 1 \(64\) != rhs dimension 0 \(32\)"):
+        jax_fp4.scaled_dot_general(a, b, (((1,), (0,)), ((), ())))
