@@ -154,7 +154,8 @@ def _all_variants() -> dict[str, Recipe]:
 def by_name(name: str) -> Recipe:
     """The recipe of a name: the defaults of RECIPES (the CLI names of examples/train_lm.py) or any option variant
     the factories make, so ``by_name(r.name) == r`` for every recipe of this module (e.g. "mxfp8-hybrid",
-    "nvfp4-no-rht-no-sr"; the suffixes "-no-rht", "-no-2d", "-no-sr" come in that order).
+    "nvfp4-no-rht-no-sr"; the suffixes "-no-rht", "-no-2d", "-no-sr" come in that order). Case and surrounding
+    white space are ignored ("MXFP8" names mxfp8); "_" may stand for "-".
 
     Raises:
       TypeError: `name` is not a str. ValueError: an unknown name (the message lists the known ones).
@@ -162,9 +163,10 @@ def by_name(name: str) -> Recipe:
     if not isinstance(name, str):
         raise TypeError(f"recipes.by_name: name must be a str, got {type(name).__name__} {name!r}")
     variants = _all_variants()
-    if name not in variants:
+    key = name.strip().lower().replace("_", "-")
+    if key not in variants:
         raise ValueError(f"unknown recipe {name!r}; choose one of {sorted(variants)}")
-    return variants[name]
+    return variants[key]
 
 
 def resolve(recipe, where: str = "jax_fp4") -> Recipe:

@@ -171,3 +171,13 @@ def test_scaled_dot_general_sizes_must_pair():
     b = jax_fp4.quantize(jnp.ones((32, 64), jnp.float32), MXFP8(), axis=0)
     with pytest.raises(ValueError, match=r"lhs dimension 1 \(64\) != rhs dimension 0 \(32\)"):
         jax_fp4.scaled_dot_general(a, b, (((1,), (0,)), ((), ())))
+
+
+def test_recipe_names_ignore_case_and_separators():
+    assert recipes.by_name("MXFP8") == recipes.MXFP8()
+    assert recipes.by_name(" NVFP4_1x64 ") == recipes.NVFP4_1x64()
+    assert recipes.by_name("nvfp4_fwd_mxfp8_bwd") == recipes.NVFP4Fwd_MXFP8Bwd()
+    x = jnp.ones((32, 64), jnp.bfloat16)
+    assert jax_fp4.dense(x, jnp.ones((64, 32), jnp.bfloat16), recipe="MXFP8").shape == (32, 32)
+    with pytest.raises(ValueError, match="unknown recipe 'MX FP8'"):
+        recipes.by_name("MX FP8")
