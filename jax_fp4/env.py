@@ -63,10 +63,9 @@ def env_report() -> dict:
     ({"platform", "kind", "count", "compute_capability": "9.0" on a GPU, else None}), "kernels" (what quantize /
     dequantize run on the default device: "CUDA kernels", "CPU kernels" or "reference"), "native_gemm" ({"auto":
     compute capability >= 10, "on_request": jax.nn.scaled_matmul lowers here}), "kernel_gemm" ({"on_request": the
-    jf4_gemm kernel runs here (compute capability 9.x and the CUDA extension with it), "auto": implementation="auto"
-    takes it}), "recipes" ({recipe name: {"fprop",
-    "dgrad", "wgrad": "kernel", "native", "emulated" or "bf16"}}, the route implementation="auto" takes for each
-    GEMM).
+    jf4_gemm kernel runs here (compute capability 9.x and the CUDA extension with it), "auto": the pairs
+    implementation="auto" puts on it, or False}), "recipes" ({recipe name: {"fprop", "dgrad", "wgrad": "kernel",
+    "native", "emulated" or "bf16"}}, the route implementation="auto" takes for each GEMM).
     """
     cuda = _cuda_extension()
     cpu_built = bool(getattr(ffi, "HAS_CPU_KERNELS", False))
@@ -87,7 +86,8 @@ def env_report() -> dict:
         "kernels": _kernels_here(dev["platform"], cuda["built"], cpu_built),
         "native_gemm": {"auto": gemm.native_gemm_available(), "on_request": gemm.scaled_matmul_lowers()},
         "kernel_gemm": {"on_request": gemm.kernel_gemm_available(),
-                        "auto": gemm.AUTO_TAKES_KERNEL and gemm.kernel_gemm_available()},
+                        "auto": gemm.kernel_gemm_available() and ("every pair" if gemm.AUTO_TAKES_KERNEL else
+                                                                  "NVFP4 1x64 pairs")},
         "recipes": routes,
     }
 
@@ -119,7 +119,7 @@ def format_env_report(report: dict | None = None) -> str:
         f"native GEMM (jax.nn.scaled_matmul): auto {'yes' if ng['auto'] else 'no (needs compute capability >= 10)'}; "
         f"on request: {'yes' if ng['on_request'] else 'no (does not lower here)'}",
         f"jf4_gemm kernel: on request {'yes' if kg.get('on_request') else 'no (needs compute capability 9.x)'}; "
-        f"auto {'yes' if kg.get('auto') else 'no'}",
+        f"auto: {kg.get('auto') or 'no'}",
         "GEMM route per recipe (implementation='auto'):",
         f"  {'recipe':<22}{'fprop':<10}{'dgrad':<10}{'wgrad'}",
     ]

@@ -15,9 +15,10 @@ Three implementations, chosen at trace time:
     operands are converted first: swizzled scales unswizzled, MXFP8 data and scales blocked along a non-last axis
     transposed to K-major (NVFP4 2D scales are stored per row already). It runs on compute capability 9.x when the
     CUDA extension provides `jf4_gemm` (`kernel_gemm_available`); elsewhere the primitive lowers to the emulation,
-    bit for bit. "auto" does not take it (`AUTO_TAKES_KERNEL`): on an H100 it reaches 0.29-0.35x cuBLAS bf16
-    TFLOP/s (docs/performance.md), slower than the emulated route's bf16 GEMM over exact operands, so it is
-    requested with implementation="kernel".
+    bit for bit. "auto" takes it only for NVFP4 1x64 pairs (`auto_takes_kernel`): on an H100 (docs/performance.md
+    "GEMM") it runs those at 2.5x the emulated route's float32 GEMM, but MXFP8 and NVFP4 1D at 0.14-0.30x cuBLAS bf16,
+    slower than the emulated route's bf16 GEMM over exact operands; there it is requested with
+    implementation="kernel".
   * "native": `jax.nn.scaled_matmul` for MXFP8 x MXFP8 and NVFP4 1D x NVFP4 1D operands whose block axis is their
     only contracting axis and with no batch axes; the NVFP4 tensor scales are applied to its float32 result the same
     way. "auto" takes it on compute capability >= 10 (cuDNN's block-scaled GEMM on the tensor cores); it may be
@@ -45,14 +46,26 @@ from jax_fp4.quantized_array import ExactOperand, QuantizedArray
 from jax_fp4.reference.nvfp4 import decode_amax, tensor_decode_scale
 
 __all__ = ["scaled_dot_general", "exact_dot_general", "exact_operand", "ExactOperand", "native_gemm_available",
-           "kernel_gemm_available", "kernel_formats_ok", "scaled_matmul_lowers", "gemm_route", "IMPLEMENTATIONS",
+           "kernel_gemm_available", "kernel_formats_ok", "auto_takes_kernel", "scaled_matmul_lowers", "gemm_route",
+           "IMPLEMENTATIONS",
            "canonical_dimension_numbers"]
 
 IMPLEMENTATIONS = ("auto", "emulated", "native", "kernel")
 
-# Whether implementation="auto" takes the jf4_gemm kernel on compute capability 9.x. Off: measured on an H100 the
-# kernel is slower than the emulated route (bf16 cuBLAS GEMM over exact operands), see docs/performance.md "GEMM".
+# Whether implementation="auto" takes the jf4_gemm kernel on compute capability 9.x for every pair it runs (True) or
+# only where it beat the emulated route on an H100 (False: NVFP4 1x64 pairs; `auto_takes_kernel`).
 AUTO_TAKES_KERNEL = False
+
+
+def auto_takes_kernel(fa, fb) -> bool:
+    """Whether implementation="auto" puts a product of formats fa x fb on `jf4_gemm` where the kernel runs.
+
+    NVFP4 1x64 pairs: measured on an H100 (benchmarks/gemm.py, docs/performance.md "GEMM") the kernel runs them at
+    125-130 TFLOP/s against the emulated route's 50-51 (a float32 GEMM of the dequantized operands). MXFP8 and NVFP4
+    1D pairs stay emulated: the kernel's 112-237 TFLOP/s are below the emulated route's cuBLAS bf16 GEMM (~660).
+    With `AUTO_TAKES_KERNEL` every pair the kernel takes.
+    """
+    return AUTO_TAKES_KERNEL or bool(getattr(fa, "local_1x64", False) and getattr(fb, "local_1x64", False))
 
 
 def native_gemm_available() -> bool:
@@ -68,8 +81,8 @@ def native_gemm_available() -> bool:
 
 def kernel_gemm_available() -> bool:
     """True when the default device is a GPU of compute capability 9.x (Hopper) and the CUDA extension provides the
-    `jf4_gemm` kernel (sm_90a WGMMA): then implementation="kernel" may be requested (and "auto" takes it when
-    `AUTO_TAKES_KERNEL`)."""
+    `jf4_gemm` kernel (sm_90a WGMMA): then implementation="kernel" may be requested, and "auto" takes it for the
+    pairs `auto_takes_kernel` names."""
     dev = jax.devices()[0]
     if dev.platform != "gpu" or not _gemm_prim.cuda_kernel_registered():
         return False
@@ -116,15 +129,15 @@ def kernel_formats_ok(fa, fb) -> bool:
 def gemm_route(fa, fb) -> str:
     """The route implementation="auto" takes on the default device for a 2-D product without batch axes of operands
     in formats fa and fb, each blocked along the contracted axis (every GEMM of `jax_fp4.dense`): "kernel"
-    (`jf4_gemm`, compute capability 9.x, only when `AUTO_TAKES_KERNEL`), "native" (compute capability >= 10) or
-    "emulated"; "bf16" when fa or fb is None (an unquantized GEMM: plain `lax.dot_general`).
+    (`jf4_gemm`, compute capability 9.x, for the pairs `auto_takes_kernel` names), "native" (compute capability
+    >= 10) or "emulated"; "bf16" when fa or fb is None (an unquantized GEMM: plain `lax.dot_general`).
 
     Args:
       fa, fb: `jax_fp4.Format` instances or None (as a `jax_fp4.recipes.Recipe` names its operands).
     """
     if fa is None or fb is None:
         return "bf16"
-    if AUTO_TAKES_KERNEL and _gemm_prim.kernel_formats_ok(fa, fb) and kernel_gemm_available():
+    if auto_takes_kernel(fa, fb) and _gemm_prim.kernel_formats_ok(fa, fb) and kernel_gemm_available():
         return "kernel"
     return "native" if _native_formats(fa, fb) and native_gemm_available() else "emulated"
 
@@ -296,7 +309,7 @@ def _route(a, b, dn, implementation, bias) -> str:
                              f"jax.nn.scaled_matmul does not lower on {jax.default_backend()} (jax {jax.__version__})")
         return "native"
     if implementation == "auto":
-        if AUTO_TAKES_KERNEL and _kernel_ok(a, b, dn, bias) and kernel_gemm_available():
+        if auto_takes_kernel(a.fmt, b.fmt) and _kernel_ok(a, b, dn, bias) and kernel_gemm_available():
             return "kernel"
         if _native_ok(a, b, dn) and native_gemm_available():
             return "native"

@@ -226,12 +226,18 @@ def kernel_here(monkeypatch):
 
 
 def test_auto_leaves_the_kernel_while_it_is_slower(rng, monkeypatch):
-    """With AUTO_TAKES_KERNEL off (the kernel measured slower than the emulated route), "auto" emulates even where
-    the kernel runs; implementation="kernel" still takes it."""
+    """With AUTO_TAKES_KERNEL off, "auto" takes the kernel only for NVFP4 1x64 pairs (measured faster than their
+    float32 emulation) and emulates MXFP8 / NVFP4 1D where it runs; implementation="kernel" still takes those."""
     monkeypatch.setattr(gemm_module, "kernel_gemm_available", lambda: True)
     monkeypatch.setattr(gemm_module, "AUTO_TAKES_KERNEL", False)
     assert gemm_module.gemm_route(NV, NV) == "emulated"
+    assert gemm_module.gemm_route(NV64, NV64) == "kernel"  # the one pairing it beats the emulated route on
     assert gemm_routes(recipes.MXFP8())["fprop"] == "emulated"
+    r = recipes.NVFP4_1x64()  # 1x64 in fprop only; its backward GEMMs are NVFP4 1D pairs
+    want = {g: ("kernel" if fa.local_1x64 and fb.local_1x64 else "emulated")
+            for g, (fa, fb) in (("fprop", (r.fprop_x, r.fprop_w)), ("dgrad", (r.dgrad_dy, r.dgrad_w)),
+                                ("wgrad", (r.wgrad_x, r.wgrad_dy)))}
+    assert want["fprop"] == "kernel" and gemm_routes(r) == want
     assert gemm_routes(recipes.MXFP8(), "kernel") == {"fprop": "kernel", "dgrad": "kernel", "wgrad": "kernel"}
     a, b = _operands(rng, "nvfp4")
     assert "jf4_gemm" not in _primitives(lambda a, b: jax_fp4.scaled_dot_general(a, b, prim.TN), a, b)
