@@ -382,6 +382,21 @@ def test_dense_kernel_route_equals_emulated_on_the_cpu(rng, kernel_here, name):
         np.testing.assert_array_equal(bits(g), bits(e), err_msg=name_)
 
 
+def test_dense_auto_mixes_kernel_and_emulated_routes_on_the_cpu(rng, monkeypatch):
+    """nvfp4-1x64 under "auto" where the kernel runs: fprop on jf4_gemm (a 1x64 pair), dgrad / wgrad emulated (NVFP4
+    1D pairs, with exact operands), the same bits as the all-emulated step."""
+    monkeypatch.setattr(gemm_module, "kernel_gemm_available", lambda: True)
+    monkeypatch.setattr(gemm_module, "AUTO_TAKES_KERNEL", False)
+    recipe = recipes.by_name("nvfp4-1x64")
+    assert gemm_routes(recipe)["fprop"] == "kernel" and gemm_routes(recipe)["dgrad"] == "emulated"
+    x, w, b, dy = _normal(rng, (M, K)), _normal(rng, (K, N)) / 8, _normal(rng, (N,)), _normal(rng, (M, N))
+    key = jax.random.key(5)
+    assert "jf4_gemm" in _primitives(lambda *a: dense_vjp(*a, recipe, "auto"), x, w, b, dy, key)
+    got, want = dense_vjp(x, w, b, dy, key, recipe, "auto"), dense_vjp(x, w, b, dy, key, recipe, "emulated")
+    for name_, g, e in zip(("y", "dx", "dw", "dbias"), got, want, strict=True):
+        np.testing.assert_array_equal(bits(g), bits(e), err_msg=name_)
+
+
 # ---- GPU: the jf4_gemm kernel -----------------------------------------------------------------------------------
 def _needs_kernel():
     if not gemm_module.kernel_gemm_available():
