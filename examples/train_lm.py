@@ -63,6 +63,7 @@ import numpy as np
 from jax_fp4 import recipes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, also under python -P
+import lm_checkpoint  # noqa: E402
 import lm_data  # noqa: E402
 import lm_model  # noqa: E402
 import lm_precision  # noqa: E402
@@ -256,67 +257,9 @@ def parse_args(argv=None):
     names = (["bf16"] + sorted(n for n in recipes.RECIPES if n != "bf16") if args.compare else
              args.recipes if args.recipes else [args.recipe])
     runs = [lm_precision.run_name(n, args, seed) for seed in (args.seeds or [None]) for n in names]
-    if args.resume and not any(latest_step(args.out / "checkpoints" / n) is not None for n in runs):
+    if args.resume and not any(lm_checkpoint.latest_step(args.out / "checkpoints" / n) is not None for n in runs):
         parser.error(f"--resume: no checkpoint of {', '.join(runs)} under {args.out / 'checkpoints'}")
     return args, cfg, names
-
-
-# ---- checkpoints (Orbax) ---------------------------------------------------------------------------------------------
-def _is_key(x):
-    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _saveable(state):
-    """The nnx state as a pure dict of arrays (typed PRNG keys, e.g. the stochastic-rounding streams, as raw data)."""
-    from flax import nnx
-
-    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, nnx.to_pure_dict(state))
-
-
-def _checkpointer(directory: Path):
-    import orbax.checkpoint as ocp
-
-    return ocp.CheckpointManager(directory.absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=2))
-
-
-def latest_step(directory: Path):
-    """The step of the latest checkpoint in directory, or None."""
-    if not directory.is_dir():
-        return None
-    mgr = _checkpointer(directory)
-    try:
-        return mgr.latest_step()
-    finally:
-        mgr.close()
-
-
-def save_checkpoint(mgr, step: int, state, meta: dict):
-    import orbax.checkpoint as ocp
-
-    mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_saveable(state)), meta=ocp.args.JsonSave(meta)),
-             force=True)
-
-
-def restore_meta(mgr, step: int) -> dict:
-    """The metadata of the checkpoint at step (without its state)."""
-    import orbax.checkpoint as ocp
-
-    return mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-
-
-def restore_checkpoint(mgr, step: int, state):
-    """(state, meta) of the checkpoint at step; `state` (a fresh model's) gives the structure, dtypes and key impls."""
-    import orbax.checkpoint as ocp
-    from flax import nnx
-
-    template = nnx.to_pure_dict(state)
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _saveable(state))
-    r = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                  meta=ocp.args.JsonRestore()))
-    pure = jax.tree.map(lambda t, v: jax.random.wrap_key_data(v, impl=jax.random.key_impl(t)) if _is_key(t) else v,
-                        template, r.state)
-    nnx.replace_by_pure_dict(state, pure)
-    return state, r.meta
 
 
 # ---- training --------------------------------------------------------------------------------------------------------
@@ -370,9 +313,10 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
 
     ckdir = out / "checkpoints" / run
     rows, start, timed, drows = [], 0, {"seconds": 0.0, "steps": 0, "diag_seconds": 0.0, "diag_steps": 0}, []
-    if resume and latest_step(ckdir) is not None:
-        mgr = _checkpointer(ckdir)
-        meta = restore_meta(mgr, mgr.latest_step())  # checked first: another model's state would not restore
+    if resume and lm_checkpoint.latest_step(ckdir) is not None:
+        mgr = lm_checkpoint.checkpointer(ckdir)
+        # the metadata first: another model's state would not restore
+        meta = lm_checkpoint.restore_meta(mgr, mgr.latest_step())
         if meta["config"] != cfg.resume_key() or meta.get("switch") != switch_desc:
             flat = lambda d: {**{k: v for k, v in d.items() if k != "model"}, **d["model"]}  # noqa: E731
             old = {**flat(meta["config"]), "switch": meta.get("switch")}
@@ -382,13 +326,13 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
             mgr.close()
             raise SystemExit(f"--resume: {ckdir} was written with {diff}; use the same preset and overrides, or "
                              "another --out")
-        state, meta = restore_checkpoint(mgr, mgr.latest_step(), state)
+        state, meta = lm_checkpoint.restore_checkpoint(mgr, mgr.latest_step(), state)
         start, rows, timed = meta["step"], meta["rows"], {**timed, **meta["timed"]}
         drows = meta.get("diagnostics", [])
         print(f"{run}: resumed from {ckdir} at step {start} (phase {meta.get('phase', 0)})")
     else:
         shutil.rmtree(ckdir, ignore_errors=True)  # a fresh run replaces this run's old checkpoints
-        mgr = _checkpointer(ckdir)
+        mgr = lm_checkpoint.checkpointer(ckdir)
 
     stop = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
     bar = tqdm(total=cfg.steps, initial=min(start, cfg.steps), desc=f"{run:>19}", unit="step", disable=not progress,
@@ -442,7 +386,7 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
                          **({"aux": f"{aux_loss:.3f}"} if moe else {}),
                          **({"tok/s": f"{row['tokens_per_s']:,.0f}"} if interval else {})}, refresh=False)
         if ckpt:
-            save_checkpoint(mgr, step + 1, state,
+            lm_checkpoint.save_checkpoint(mgr, step + 1, state,
                             {"step": step + 1, "recipe": name, "run": run, "config": cfg.resume_key(),
                              "switch": switch_desc, "phase": phase_of(step + 1) if step + 1 < cfg.steps else phase,
                              "phase_recipes": ph.tables[phase_of(step + 1) if step + 1 < cfg.steps else phase],

@@ -36,6 +36,7 @@ pytest.importorskip("matplotlib")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import jax  # noqa: E402
+import lm_checkpoint  # noqa: E402
 import lm_data  # noqa: E402
 import lm_model  # noqa: E402
 import train_lm  # noqa: E402
@@ -118,14 +119,14 @@ def test_checkpoint_roundtrip_with_rng_streams(tmp_path, cfg_kw, streams):
     _, state, _ = lm_model.build(cfg, recipes.NVFP4(), lm_model.OptConfig(), seed=1)
     # advance the rng counters so that restoring them is visible
     state = jax.tree.map(lambda x: x + 5 if x.dtype == np.uint32 and x.ndim == 0 else x, state)
-    mgr = train_lm._checkpointer(tmp_path / "ck")
-    train_lm.save_checkpoint(mgr, 7, state, {"step": 7, "rows": []})
+    mgr = lm_checkpoint.checkpointer(tmp_path / "ck")
+    lm_checkpoint.save_checkpoint(mgr, 7, state, {"step": 7, "rows": []})
     mgr.wait_until_finished()
     _, fresh, _ = lm_model.build(cfg, recipes.NVFP4(), lm_model.OptConfig(), seed=2)
-    restored, meta = train_lm.restore_checkpoint(mgr, mgr.latest_step(), fresh)
+    restored, meta = lm_checkpoint.restore_checkpoint(mgr, mgr.latest_step(), fresh)
     assert meta == {"step": 7, "rows": []}
-    assert sum(map(train_lm._is_key, jax.tree.leaves(restored))) == streams  # typed keys again
-    raw = lambda tree: jax.tree.map(lambda x: jax.random.key_data(x) if train_lm._is_key(x) else x, tree)  # noqa: E731
+    assert sum(map(lm_checkpoint.is_key, jax.tree.leaves(restored))) == streams  # typed keys again
+    raw = lambda tree: jax.tree.map(lambda x: jax.random.key_data(x) if lm_checkpoint.is_key(x) else x, tree)  # noqa: E731
     _bits_equal_trees(raw(restored), raw(state))
 
 
@@ -141,10 +142,10 @@ def test_resume_equals_uninterrupted(tmp_path, capsys):
     cfg = lm_model.ModelConfig(d_model=64, n_layers=1, n_heads=2, seq=32)
     states = []
     for d in (a, b):
-        mgr = train_lm._checkpointer(d / "checkpoints" / "bf16")
+        mgr = lm_checkpoint.checkpointer(d / "checkpoints" / "bf16")
         assert mgr.latest_step() == 6
         _, template, _ = lm_model.build(cfg, recipes.BF16(), lm_model.OptConfig(), seed=0)
-        states.append(train_lm.restore_checkpoint(mgr, 6, template)[0])
+        states.append(lm_checkpoint.restore_checkpoint(mgr, 6, template)[0])
     _bits_equal_trees(*states)
 
     ra, rb = _rows(a), _rows(b)

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import lm_checkpoint  # noqa: E402
 import lm_data  # noqa: E402
 import lm_model  # noqa: E402
 import lm_precision  # noqa: E402
@@ -111,10 +112,10 @@ def test_switch_resume_equals_uninterrupted(tmp_path, capsys):
     cfg = lm_model.ModelConfig(d_model=64, n_layers=1, n_heads=2, seq=32)
     states = []
     for d in (a, b):
-        mgr = train_lm._checkpointer(d / "checkpoints" / name)
+        mgr = lm_checkpoint.checkpointer(d / "checkpoints" / name)
         assert mgr.latest_step() == 8
         _, template, _ = lm_model.build(cfg, recipes.MXFP8(), lm_model.OptConfig(), seed=0)
-        st, meta = train_lm.restore_checkpoint(mgr, 8, template)
+        st, meta = lm_checkpoint.restore_checkpoint(mgr, 8, template)
         states.append(jax.tree.map(np.asarray, nnx.to_pure_dict(st)))
         assert meta["switch"] == "all GEMMs -> bf16 from step 2 of 8" and meta["phase"] == 1
         assert "bf16" in meta["phase_recipes"] and "mxfp8" not in meta["phase_recipes"]
