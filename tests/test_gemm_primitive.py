@@ -373,11 +373,15 @@ def dense_vjp(x, w, b, dy, key, recipe, implementation):
 def test_dense_kernel_route_equals_emulated_on_the_cpu(rng, kernel_here, name):
     """On the CPU the kernel route of dense (packed operands, no exact operands, bias in the epilogue) computes the
     emulated bits: the primitive's lowering is the emulation."""
-    recipe = recipes.by_name(name)
+    _assert_dense_route_is_emulated_bits(rng, recipes.by_name(name), "kernel", 3)
+
+
+def _assert_dense_route_is_emulated_bits(rng, recipe, implementation, seed):
+    """dense fwd + bwd on `implementation` runs jf4_gemm (its CPU lowering) and gives the all-emulated bits."""
     x, w, b, dy = _normal(rng, (M, K)), _normal(rng, (K, N)) / 8, _normal(rng, (N,)), _normal(rng, (M, N))
-    key = jax.random.key(3)
-    assert "jf4_gemm" in _primitives(lambda *a: dense_vjp(*a, recipe, "kernel"), x, w, b, dy, key)
-    got, want = dense_vjp(x, w, b, dy, key, recipe, "kernel"), dense_vjp(x, w, b, dy, key, recipe, "emulated")
+    key = jax.random.key(seed)
+    assert "jf4_gemm" in _primitives(lambda *a: dense_vjp(*a, recipe, implementation), x, w, b, dy, key)
+    got, want = dense_vjp(x, w, b, dy, key, recipe, implementation), dense_vjp(x, w, b, dy, key, recipe, "emulated")
     for name_, g, e in zip(("y", "dx", "dw", "dbias"), got, want, strict=True):
         np.testing.assert_array_equal(bits(g), bits(e), err_msg=name_)
 
@@ -389,12 +393,7 @@ def test_dense_auto_mixes_kernel_and_emulated_routes_on_the_cpu(rng, monkeypatch
     monkeypatch.setattr(gemm_module, "AUTO_TAKES_KERNEL", False)
     recipe = recipes.by_name("nvfp4-1x64")
     assert gemm_routes(recipe)["fprop"] == "kernel" and gemm_routes(recipe)["dgrad"] == "emulated"
-    x, w, b, dy = _normal(rng, (M, K)), _normal(rng, (K, N)) / 8, _normal(rng, (N,)), _normal(rng, (M, N))
-    key = jax.random.key(5)
-    assert "jf4_gemm" in _primitives(lambda *a: dense_vjp(*a, recipe, "auto"), x, w, b, dy, key)
-    got, want = dense_vjp(x, w, b, dy, key, recipe, "auto"), dense_vjp(x, w, b, dy, key, recipe, "emulated")
-    for name_, g, e in zip(("y", "dx", "dw", "dbias"), got, want, strict=True):
-        np.testing.assert_array_equal(bits(g), bits(e), err_msg=name_)
+    _assert_dense_route_is_emulated_bits(rng, recipe, "auto", 5)
 
 
 # ---- GPU: the jf4_gemm kernel -----------------------------------------------------------------------------------
