@@ -187,6 +187,48 @@ def test_product_within_bound(rng, pair, out_dtype):
             assert_amax(out, amax, what)
 
 
+def raw_mxfp8(rng, rows, k, fmt, e_range):
+    """(QuantizedArray on the CPU, raw leaves) of an MXFP8 operand with uniformly random codes (every finite code:
+    zeros, subnormals, both signs; NaN / Inf codes become zero) and E8M0 scale codes uniform in e_range."""
+    data = rng.integers(0, 256, (rows, k), dtype=np.uint8)
+    special = (data & 0x7F) == 0x7F if fmt.element == "e4m3" else (data & 0x7C) == 0x7C
+    data[special] = 0
+    raw = {"data": data, "scale": rng.integers(e_range[0], e_range[1] + 1, (rows, k // 32), dtype=np.uint8),
+           "aux": np.zeros((0,), np.float32)}
+    with jax.default_device(_cpu()):
+        q = jax_fp4.QuantizedArray(codes.to_dtype(jnp.asarray(raw["data"], jnp.uint32), fmt.data_dtype),
+                                   codes.to_dtype(jnp.asarray(raw["scale"], jnp.uint32), fmt.scale_dtype),
+                                   None, None, fmt=fmt, axis=-1, scale_layout="compact")
+    return q, raw
+
+
+@pytest.mark.parametrize("pair", ["e4m3xe4m3", "e4m3xe5m2", "e5m2xe4m3"])
+def test_mxfp8_every_code_and_scale(rng, pair):
+    """Uniform random codes under block scales on both sides of the decode's fast-path limits (E4M3 e <= 134, E5M2
+    e <= 142; blocks above them, and blocks with a NaN / Inf code, take the general decode), all operand values normal
+    in bfloat16: the output within the bound. Then one NaN / Inf code in row 5 of A: that row's NaN and Inf outputs
+    are the reference's, every other row unchanged."""
+    fa, fb = PAIRS[pair]
+    for m, n, k in [(200, 136, 256), (72, 40, 96)]:
+        qa, ra = raw_mxfp8(rng, m, k, fa, (100, 160))
+        qb, rb = raw_mxfp8(rng, n, k, fb, (60, 140))
+        out, amax = run_gemm(ra, fa, rb, fb, np.zeros((0,), np.float32))
+        ref, bound = reference(qa, qb, None, jnp.float32)
+        assert_within(out, ref, bound, f"{pair} {m}x{n}x{k}")
+        assert_amax(out, amax, f"{pair} {m}x{n}x{k}")
+        special = {**ra, "data": ra["data"].copy()}
+        special["data"][5, k - 7] = 0x7F if fa.element == "e4m3" else 0xFC  # NaN / -Inf
+        with jax.default_device(_cpu()):
+            qs = jax_fp4.QuantizedArray(codes.to_dtype(jnp.asarray(special["data"], jnp.uint32), fa.data_dtype),
+                                        qa.scale, None, None, fmt=fa, axis=-1, scale_layout="compact")
+        got, _ = run_gemm(special, fa, rb, fb, np.zeros((0,), np.float32))
+        with np.errstate(invalid="ignore", over="ignore"):
+            want, _ = reference(qs, qb, None, jnp.float32)
+        np.testing.assert_array_equal(np.isnan(got[5]), np.isnan(want[5]))
+        np.testing.assert_array_equal(got[5][np.isinf(want[5])], want[5][np.isinf(want[5])])
+        assert np.array_equal(np.delete(got, 5, 0), np.delete(out, 5, 0))
+
+
 def test_bound_rejects_a_wrong_product(rng):
     """The bound is tight enough to see one code's worth of error: the product with one A element's code changed
     (the next E4M3 magnitude) lies outside it."""

@@ -65,7 +65,7 @@ cudaError_t AllowSharedMemory(Kernel* kernel, int bytes, std::atomic<uint64_t>& 
 template <bool kFp4A, bool kFp4B, bool kLocal>
 cudaError_t Launch(const Params& p, cudaStream_t stream) {
   auto* kernel = gemm::GemmKernel<kFp4A, kFp4B, kLocal>;
-  using Cfg = gemm::Config<kLocal>;
+  using Cfg = gemm::Config<kFp4A, kFp4B, kLocal>;
   constexpr int kSmem = int(sizeof(typename Cfg::SharedStorage));
   static std::atomic<uint64_t> done{0};  // per <kFp4A, kFp4B, kLocal> instantiation
   cudaError_t err = AllowSharedMemory(kernel, kSmem, done);

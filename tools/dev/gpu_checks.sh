@@ -5,6 +5,7 @@
 #                     tools/golden/ref.npz from `python -P tools/golden/make.py`)
 #   pytest            pytest -m gpu tests
 #   sanitize          compute-sanitizer memcheck and racecheck of tools/golden/sanitize.py
+#   sanitize-gemm     memcheck and racecheck of the jf4_gemm calls of tools/golden/sanitize.py alone
 #   pytest-gemm       pytest -m gpu of the jf4_gemm tests (tests/test_gemm_kernel.py, tests/test_gemm_primitive.py)
 #   bench-quantize, bench-dequantize, bench-dense, bench-amax, bench-gemm   the benchmarks/ tables (JSON to $OUT)
 #   bench-dense-routes  benchmarks/dense.py on the jf4_gemm and the emulated route of each quantized recipe
@@ -30,6 +31,11 @@ for step in "${steps[@]}"; do
             grep -E "^(BAD|ERR)" "$OUT/golden.log" | head -20 ;;
     pytest) timeout 400 python3 -P -m pytest -q -rf -m gpu -p no:cacheprovider "$R/tests" > "$OUT/pytest.log" 2>&1;
             tail -5 "$OUT/pytest.log" ;;
+    sanitize-gemm) for tool in memcheck racecheck; do
+                     timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 -P \
+                       "$R/tools/golden/sanitize.py" --gemm-only > "$OUT/san_gemm_$tool.log" 2>&1
+                     echo "$tool rc=$? $(tail -1 "$OUT/san_gemm_$tool.log")"
+                   done ;;
     pytest-gemm) timeout 500 python3 -P -m pytest -q -rf -m gpu -p no:cacheprovider "$R/tests/test_gemm_kernel.py" \
                    "$R/tests/test_gemm_primitive.py" > "$OUT/pytest_gemm.log" 2>&1; tail -5 "$OUT/pytest_gemm.log" ;;
     sanitize) for tool in memcheck racecheck; do

@@ -2,6 +2,7 @@
 (cuBLAS) on the same shapes in the same run.
 
   python3 -P tools/dev/kernel_check/gemm_bench.py [--shapes 8192x8192x8192,16384x4096x4096] [--iters 20]
+      [--pairs "nvfp4 x nvfp4,mxfp8 e4m3 x e4m3"]
 
 Per shape (M x N x K; out[M, N] = a[M, K] . b[N, K]^T, bfloat16 output) and pairing, the median time of `--iters`
 runs of one jitted call (after a warm-up), TFLOP/s = 2 M N K / time, and the ratio to the bf16 dot. Operands are
@@ -66,6 +67,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="8192x8192x8192,16384x4096x4096")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--pairs", default=",".join(PAIRS), help="comma-separated pairing names (default: all)")
     args = ap.parse_args()
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} (compute capability {getattr(dev, 'compute_capability', '?')}), jax "
@@ -79,7 +81,8 @@ def main():
         dot = jax.jit(lambda x, y: jnp.dot(x, y.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
         t_bf16 = timed(dot, a, b, iters=args.iters)
         print(f"{m}x{n}x{k}  bf16 jnp.dot: {t_bf16 * 1e3:8.3f} ms  {flops / t_bf16 / 1e12:7.1f} TFLOP/s")
-        for name, (fa, fb) in PAIRS.items():
+        for name in args.pairs.split(","):
+            fa, fb = PAIRS[name]
             qa = jax.block_until_ready(jax.jit(lambda x, f=fa: jax_fp4.quantize(x, f))(a))
             qb = jax.block_until_ready(jax.jit(lambda x, f=fb: jax_fp4.quantize(x, f))(b))
             t = timed(jax.jit(gemm_call), qa, qb, iters=args.iters)
