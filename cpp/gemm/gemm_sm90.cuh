@@ -85,11 +85,11 @@ __device__ __forceinline__ HalfRow MakeHalfRow(const uint8_t* data, const uint8_
 template <bool kFp4>
 constexpr int kChunks = kFp4 ? 1 : 2;
 
-// Starts the copy of K-tile kt's codes of a half row into `dst` (chunk j at dst + j * kDecoders, so that consecutive
-// threads touch consecutive 16 bytes), zero-filling rows and blocks outside the operand (K is a multiple of the
+// Starts the copy of K-tile kt's codes of a half row into `dst` (chunk j at dst + j * kStride: the ring keeps chunk j of
+// every half row together, so that threads with consecutive half rows touch consecutive 16 bytes), zero-filling rows and blocks outside the operand (K is a multiple of the
 // block size: a block is entirely inside or outside). NVFP4 rows are 16-byte aligned only when K % 32 == 0 (`al16`);
 // otherwise two 8-byte copies. k = kt * 64 + 32 * half (+ 16) stays below 2^31 (the handler checks K).
-template <bool kFp4>
+template <bool kFp4, int kStride>
 __device__ __forceinline__ void CopyCodes(uint4* dst, const HalfRow& h, int K, int kt, int half, bool al16) {
   using cutlass::arch::CacheOperation;
   const int k0 = kt * kBK + 32 * half;
@@ -107,7 +107,7 @@ __device__ __forceinline__ void CopyCodes(uint4* dst, const HalfRow& h, int K, i
     const bool in = h.in && k0 < K;
     const uint8_t* src = in ? h.data + kt * kBK : h.data;
     cutlass::arch::cp_async_zfill<16, CacheOperation::Global>(dst, src, in);
-    cutlass::arch::cp_async_zfill<16, CacheOperation::Global>(dst + kDecoders, src + 16, in);
+    cutlass::arch::cp_async_zfill<16, CacheOperation::Global>(dst + kStride, src + 16, in);
   }
 }
 
@@ -133,8 +133,8 @@ __device__ __forceinline__ Scales LoadScales(const HalfRow& h, int K, int kt, in
   return r;
 }
 
-// Decodes a half row's codes (chunks at src + j * kDecoders) under its scales into row `row` of stage `st`.
-template <bool kFp4, typename STensor>
+// Decodes a half row's codes (chunks at src + j * kStride) under its scales into row `row` of stage `st`.
+template <bool kFp4, int kStride, typename STensor>
 __device__ __forceinline__ void DecodeHalfRow(const uint4* src, const Scales& sc, STensor& s, int row, int half,
                                               int st, int e5m2) {
   if constexpr (kFp4) {
@@ -142,7 +142,7 @@ __device__ __forceinline__ void DecodeHalfRow(const uint4* src, const Scales& sc
     const Fp4Regs r{{make_uint2(c.x, c.y), make_uint2(c.z, c.w)}, {sc.s[0], sc.s[1]}};
     DecodeFp4(r, s, row, half, st);
   } else {
-    const Fp8Regs r{{src[0], src[kDecoders]}, sc.s[0]};
+    const Fp8Regs r{{src[0], src[kStride]}, sc.s[0]};
     if (e5m2) {
       DecodeFp8<__NV_E5M2>(r, s, row, half, st);
     } else {
@@ -150,6 +150,51 @@ __device__ __forceinline__ void DecodeHalfRow(const uint4* src, const Scales& sc
     }
   }
 }
+
+// The half rows of one operand that a thread stages: kN of them (none for kN = 0), half-row indices first + kStep i
+// of the tile's 2 * rows (row index / 2, codes 32 (index % 2) .. + 31 of each K-tile). Copy starts the cp.async of a
+// K-tile's codes into the ring slot `ring` ([chunk][half row], kStride half rows); LoadScales fetches a K-tile's
+// block scales into `nxt`, Advance makes them current; Decode writes the current K-tile into a stage (and, 1x64,
+// each row's window factor into `factors` from the half-0 thread).
+template <bool kFp4, bool kLocal, int kN, int kStride>
+struct OperandPart {
+  static constexpr int kSize = kN > 0 ? kN : 1;
+  HalfRow h[kSize];
+  int idx[kSize];
+  Scales cur[kSize], nxt[kSize];
+
+  __device__ __forceinline__ void Init(const uint8_t* data, const uint8_t* scale, const float* aux, int64_t row0,
+                                       int64_t rows, int64_t K, int first, int step) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      idx[i] = first + step * i;
+      h[i] = MakeHalfRow<kFp4>(data, scale, aux, row0 + (idx[i] >> 1), rows, K, idx[i] & 1);
+    }
+  }
+  __device__ __forceinline__ void Copy(uint4* ring, int K, int kt, bool al16) const {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) CopyCodes<kFp4, kStride>(ring + idx[i], h[i], K, kt, idx[i] & 1, al16);
+  }
+  __device__ __forceinline__ void LoadScales(int K, int kt) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) nxt[i] = gemm::LoadScales<kFp4, kLocal>(h[i], K, kt, idx[i] & 1);
+  }
+  __device__ __forceinline__ void Advance() {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) cur[i] = nxt[i];
+  }
+  template <typename STensor>
+  __device__ __forceinline__ void Decode(const uint4* ring, STensor& s, float* factors, int st, int e5m2) const {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      const int row = idx[i] >> 1, half = idx[i] & 1;
+      DecodeHalfRow<kFp4, kStride>(ring + idx[i], cur[i], s, row, half, st, e5m2);
+      if constexpr (kLocal) {
+        if (half == 0) factors[row] = WindowFactor(cur[i].w);
+      }
+    }
+  }
+};
 
 // Shared-memory tile layouts: K-major, 128-byte swizzle (the WGMMA descriptor's SW128 K-major mode).
 using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<cute::bfloat16_t>;
@@ -164,8 +209,10 @@ template <bool kFp4A, bool kFp4B, bool kLocal>
 struct Config {
   static constexpr int kBN = kLocal ? 128 : 256;
   static constexpr int kStages = kLocal ? 4 : 3;
-  static constexpr int kAHalfRows = 2 * kBM / kDecoders;  // half rows of A a decoder thread owns
-  static constexpr int kBHalfRows = 2 * kBN / kDecoders;  // and of B
+  // Who stages what (half-row indices; A has 2 * kBM, B 2 * kBN): each consumer thread ct stages A's half row ct (a
+  // row of its own warpgroup's slice), between issuing one K-tile's WGMMAs and waiting for them; each decoder thread
+  // t stages B's half rows t + 128 i.
+  static constexpr int kDecoderB = 2 * kBN / kDecoders;
   static constexpr int kFactorRows = kLocal ? kBN : 1;
   using LayoutA = SmemLayout<kBM, kStages>;
   using LayoutB = SmemLayout<kBN, kStages>;
@@ -176,8 +223,8 @@ struct Config {
   struct alignas(1024) SharedStorage {
     cute::array_aligned<cute::bfloat16_t, cute::cosize_v<LayoutA>, 1024> a;
     cute::array_aligned<cute::bfloat16_t, cute::cosize_v<LayoutB>, 1024> b;
-    uint4 codes_a[kRing][kAHalfRows][kChunks<kFp4A>][kDecoders];
-    uint4 codes_b[kRing][kBHalfRows][kChunks<kFp4B>][kDecoders];
+    uint4 codes_a[kRing][kChunks<kFp4A>][2 * kBM];  // the packed codes of kRing K-tiles: [chunk][half row]
+    uint4 codes_b[kRing][kChunks<kFp4B>][2 * kBN];
     float fa[kStages][kLocal ? kBM : 1];  // 1x64 window decode factors of the stage's rows
     float fb[kStages][kFactorRows];
     uint64_t full[kStages];   // decoders -> consumers: the stage holds its K-tile
@@ -216,90 +263,79 @@ __global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      Barrier::init(&smem.full[s], kDecoders);
+      Barrier::init(&smem.full[s], kThreads);
       Barrier::init(&smem.empty[s], kThreads - kDecoders);
     }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
 
+  // The staging of K-tiles into stages, shared by both roles: copy K-tile kt's codes (a cp.async group per K-tile,
+  // empty past the last, kRing - 1 K-tiles ahead of the decode), decode it once the consumers released its stage,
+  // publish it with a proxy fence and an arrival on the stage's `full` barrier.
+  using PartA = OperandPart<kFp4A, kLocal, 1, 2 * kBM>;
+  using PartB = OperandPart<kFp4B, kLocal, Cfg::kDecoderB, 2 * kBN>;  // a decoder's B half rows
+  const bool al16 = K % 32 == 0;
+  auto copy = [&](const auto& pa, const auto& pb, int kt) {
+    if (kt < KT) {
+      const int c = kt % kRing;
+      pa.Copy(&smem.codes_a[c][0][0], K, kt, al16);
+      pb.Copy(&smem.codes_b[c][0][0], K, kt, al16);
+    }
+    cutlass::arch::cp_async_fence();
+  };
+  // Decodes K-tile kt (its codes: the cp.async group kt, with `pending` later groups allowed outstanding).
+  auto decode = [&](auto& pa, auto& pb, int kt, int st, uint32_t empty_phase, auto pending) {
+    cutlass::arch::cp_async_wait<decltype(pending)::value>();
+    Barrier::wait(&smem.empty[st], empty_phase);
+    const int c = kt % kRing;
+    pa.Decode(&smem.codes_a[c][0][0], sA, smem.fa[st], st, p.a_e5m2);
+    pb.Decode(&smem.codes_b[c][0][0], sB, smem.fb[st], st, p.b_e5m2);
+    cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> visible to the WGMMA (async proxy) reads
+    Barrier::arrive(&smem.full[st]);
+  };
+
   if (tid < kDecoders) {
-    // ---- Decoders: half row h = tid + kDecoders i of a tile is row h / 2, codes 32 (h % 2) .. + 31 of the K-tile
-    // (kAHalfRows of A's 256 half rows, kBHalfRows of B's).
-    const int dhalf = tid & 1;
-    HalfRow ha[Cfg::kAHalfRows], hb[Cfg::kBHalfRows];
+    // ---- Decoders: B's half rows tid + 128 i, kRing - 1 K-tiles of codes in flight.
+    OperandPart<kFp4A, kLocal, 0, 2 * kBM> pa;
+    PartB pb;
+    pb.Init(p.b, p.b_scale, p.b_aux, n0, p.N, p.K, tid, kDecoders);
 #pragma unroll
-    for (int i = 0; i < Cfg::kAHalfRows; ++i) {
-      ha[i] = MakeHalfRow<kFp4A>(p.a, p.a_scale, p.a_aux, m0 + ((tid + kDecoders * i) >> 1), p.M, p.K, dhalf);
-    }
-#pragma unroll
-    for (int i = 0; i < Cfg::kBHalfRows; ++i) {
-      hb[i] = MakeHalfRow<kFp4B>(p.b, p.b_scale, p.b_aux, n0 + ((tid + kDecoders * i) >> 1), p.N, p.K, dhalf);
-    }
-    const bool al16 = K % 32 == 0;
-    auto copy = [&](int kt) {  // one cp.async group per K-tile (empty past the last)
-      if (kt < KT) {
-        const int c = kt % kRing;
-#pragma unroll
-        for (int i = 0; i < Cfg::kAHalfRows; ++i) {
-          CopyCodes<kFp4A>(&smem.codes_a[c][i][0][tid], ha[i], K, kt, dhalf, al16);
-        }
-#pragma unroll
-        for (int i = 0; i < Cfg::kBHalfRows; ++i) {
-          CopyCodes<kFp4B>(&smem.codes_b[c][i][0][tid], hb[i], K, kt, dhalf, al16);
-        }
-      }
-      cutlass::arch::cp_async_fence();
-    };
-    struct TileScales {
-      Scales a[Cfg::kAHalfRows], b[Cfg::kBHalfRows];
-    };
-    auto scales = [&](int kt) {
-      TileScales t;
-#pragma unroll
-      for (int i = 0; i < Cfg::kAHalfRows; ++i) t.a[i] = LoadScales<kFp4A, kLocal>(ha[i], K, kt, dhalf);
-#pragma unroll
-      for (int i = 0; i < Cfg::kBHalfRows; ++i) t.b[i] = LoadScales<kFp4B, kLocal>(hb[i], K, kt, dhalf);
-      return t;
-    };
-#pragma unroll
-    for (int j = 0; j < kRing - 1; ++j) copy(j);
-    TileScales cur = scales(0);
+    for (int j = 0; j < kRing - 1; ++j) copy(pa, pb, j);
+    pb.LoadScales(K, 0);
+    pb.Advance();
     int st = 0;
     uint32_t phase = 1;  // a fresh mbarrier's preceding phase (parity 1) counts as complete: the first pass is free
     for (int kt = 0; kt < KT; ++kt) {
-      copy(kt + kRing - 1);
-      TileScales nxt = cur;
-      if (kt + 1 < KT) nxt = scales(kt + 1);
-      cutlass::arch::cp_async_wait<kRing - 1>();  // this thread's copies of K-tile kt have landed
-      Barrier::wait(&smem.empty[st], phase);
-      const int c = kt % kRing;
-#pragma unroll
-      for (int i = 0; i < Cfg::kAHalfRows; ++i) {
-        const int row = (tid + kDecoders * i) >> 1;
-        DecodeHalfRow<kFp4A>(&smem.codes_a[c][i][0][tid], cur.a[i], sA, row, dhalf, st, p.a_e5m2);
-        if constexpr (kLocal) {
-          if (dhalf == 0) smem.fa[st][row] = WindowFactor(cur.a[i].w);
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < Cfg::kBHalfRows; ++i) {
-        const int row = (tid + kDecoders * i) >> 1;
-        DecodeHalfRow<kFp4B>(&smem.codes_b[c][i][0][tid], cur.b[i], sB, row, dhalf, st, p.b_e5m2);
-        if constexpr (kLocal) {
-          if (dhalf == 0) smem.fb[st][row] = WindowFactor(cur.b[i].w);
-        }
-      }
-      cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> visible to the WGMMA (async proxy) reads
-      Barrier::arrive(&smem.full[st]);
-      cur = nxt;
+      copy(pa, pb, kt + kRing - 1);
+      if (kt + 1 < KT) pb.LoadScales(K, kt + 1);
+      decode(pa, pb, kt, st, phase, cute::Int<kRing - 1>{});
+      pb.Advance();
       if (++st == kStages) st = 0, phase ^= 1u;
     }
     return;
   }
 
-  // ---- Consumers.
+  // ---- Consumers: A's half row ct, staged one K-tile ahead of the WGMMAs.
   const int ct = tid - kDecoders;
+  PartA pa;
+  OperandPart<kFp4B, kLocal, 0, 2 * kBN> pb;
+  pa.Init(p.a, p.a_scale, p.a_aux, m0, p.M, p.K, ct, 0);
+#pragma unroll
+  for (int j = 0; j < kRing - 1; ++j) copy(pa, pb, j);
+  pa.LoadScales(K, 0);
+  pa.Advance();
+  int dst = 0;           // the stage of the K-tile decoded next
+  uint32_t dphase = 1;   // its `empty` parity
+  auto decode_next = [&](int kt) {  // decodes K-tile kt, loads K-tile kt + 1's scales
+    if (kt + 1 < KT) pa.LoadScales(K, kt + 1);
+    decode(pa, pb, kt, dst, dphase, cute::Int<kRing - 1>{});
+    pa.Advance();
+    if (++dst == kStages) dst = 0, dphase ^= 1u;
+  };
+  copy(pa, pb, kRing - 1);
+  decode_next(0);
+
   typename Cfg::TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(ct);
   Tensor tCsA = thr_mma.partition_A(sA);           // (MMA, MMA_M, MMA_K, stage)
@@ -325,13 +361,17 @@ __global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
     warpgroup_commit_batch();
   };
 
+  // Iteration kt: wait for K-tile kt's stage, issue its WGMMAs, stage K-tile kt + 1 (its codes were copied
+  // kRing - 1 K-tiles earlier; the copy of K-tile kt + kRing starts here), then release the stage of K-tile kt - 1.
   int st = 0;
   uint32_t phase = 0;
   if constexpr (!kLocal) {
     int prev = 0;
     for (int kt = 0; kt < KT; ++kt) {
+      copy(pa, pb, kt + kRing);
       Barrier::wait(&smem.full[st], phase);
       mma(st, acc, false);
+      if (kt + 1 < KT) decode_next(kt + 1);
       warpgroup_wait<1>();  // the batch of K-tile kt - 1 is complete (kt's may still run)
       if (kt > 0) Barrier::arrive(&smem.empty[prev]);
       prev = st;
@@ -342,8 +382,10 @@ __global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
     // their promotion acc = fma(tmp * fa[m], fb[n], acc); the other consumer warpgroup's WGMMAs fill the gap.
     auto tmp = make_fragment_like(acc);
     for (int kt = 0; kt < KT; ++kt) {
+      copy(pa, pb, kt + kRing);
       Barrier::wait(&smem.full[st], phase);
       mma(st, tmp, true);
+      if (kt + 1 < KT) decode_next(kt + 1);
       warpgroup_wait<0>();
       warpgroup_fence_operand(tmp);
       CUTE_UNROLL
