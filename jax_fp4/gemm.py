@@ -15,10 +15,10 @@ Three implementations, chosen at trace time:
     operands are converted first: swizzled scales unswizzled, MXFP8 data and scales blocked along a non-last axis
     transposed to K-major (NVFP4 2D scales are stored per row already). It runs on compute capability 9.x when the
     CUDA extension provides `jf4_gemm` (`kernel_gemm_available`); elsewhere the primitive lowers to the emulation,
-    bit for bit. "auto" takes it only for NVFP4 1x64 pairs (`auto_takes_kernel`): on an H100 (docs/performance.md
-    "GEMM") it runs those at 2.5x the emulated route's float32 GEMM, but MXFP8 and NVFP4 1D at 0.14-0.30x cuBLAS bf16,
-    slower than the emulated route's bf16 GEMM over exact operands; there it is requested with
-    implementation="kernel".
+    bit for bit. "auto" takes it only for NVFP4 1x64 pairs (`auto_takes_kernel`): on an H200 (docs/performance.md
+    "Block-scaled GEMM") it runs those at 3.3x the emulated route's float32 GEMM, but MXFP8 and NVFP4 1D at
+    0.27-0.41x cuBLAS bf16, slower than the emulated route's bf16 GEMM over exact operands; there it is requested
+    with implementation="kernel".
   * "native": `jax.nn.scaled_matmul` for MXFP8 x MXFP8 and NVFP4 1D x NVFP4 1D operands whose block axis is their
     only contracting axis and with no batch axes; the NVFP4 tensor scales are applied to its float32 result the same
     way. "auto" takes it on compute capability >= 10 (cuDNN's block-scaled GEMM on the tensor cores); it may be
@@ -60,9 +60,10 @@ AUTO_TAKES_KERNEL = False
 def auto_takes_kernel(fa, fb) -> bool:
     """Whether implementation="auto" puts a product of formats fa x fb on `jf4_gemm` where the kernel runs.
 
-    NVFP4 1x64 pairs: measured on an H100 (benchmarks/gemm.py, docs/performance.md "GEMM") the kernel runs them at
-    125-130 TFLOP/s against the emulated route's 50-51 (a float32 GEMM of the dequantized operands). MXFP8 and NVFP4
-    1D pairs stay emulated: the kernel's 112-237 TFLOP/s are below the emulated route's cuBLAS bf16 GEMM (~660).
+    NVFP4 1x64 pairs: measured on an H200 (benchmarks/gemm.py, docs/performance.md "Block-scaled GEMM") the kernel
+    runs them at 159-170 TFLOP/s against the emulated route's 48-52 (a float32 GEMM of the dequantized operands).
+    MXFP8 and NVFP4 1D pairs stay emulated: the kernel's 211-312 TFLOP/s are below the emulated route's cuBLAS bf16
+    GEMM (551-749).
     With `AUTO_TAKES_KERNEL` every pair the kernel takes.
     """
     return AUTO_TAKES_KERNEL or bool(getattr(fa, "local_1x64", False) and getattr(fb, "local_1x64", False))

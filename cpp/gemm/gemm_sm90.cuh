@@ -2,18 +2,21 @@
 // + bias[n] (docs/kernels/gemm.md, docs/numerics.md section 7). Both operands are K-major ("TN"): packed E2M1 codes
 // with E4M3 1x16 block scales (NVFP4) or E4M3 / E5M2 codes with E8M0 1x32 block scales (MXFP8), compact scales.
 //
-// One CTA computes a 128 x 256 output tile (NVFP4 1x64: 128 x 128) with four warpgroups, specialised:
-//  * two decode warpgroups copy the packed codes of K-tile kt + kRing - 1 into a shared-memory ring with cp.async
-//    (each thread its own half rows: no barrier between copy and use), load the block scales of the next K-tile into
-//    registers, and decode K-tile kt (value(code) * block scale, exact bfloat16, gemm/gemm_decode.cuh) into the
-//    128-byte-swizzled stage the WGMMAs read, once the consumers have released that stage (mbarrier `empty`); a
-//    proxy fence and an arrival on the stage's `full` mbarrier publish it. They keep 80 registers (setmaxnreg).
-//  * two consumer warpgroups (each a 64-row slice, CuTe's SM90 64x256x16 / 64x128x16 bf16 WGMMA atom, fp32
-//    accumulators, 176 registers) wait on `full`, issue the K-tile's four k16 WGMMAs, keep one batch in flight and
-//    release the stage of the previous K-tile on `empty`. NVFP4 1x64: each K-tile is one window; its WGMMAs
-//    accumulate into a zeroed temporary fragment, promoted into the accumulator as acc = fma(tmp * fa[m], fb[n], acc)
-//    (fa = RN(1 / S_enc,w) of row m's window, written per stage by the decoders); the other consumer warpgroup's
-//    WGMMAs run meanwhile.
+// One CTA of 384 threads computes a 128 x 256 output tile (NVFP4 1x64: 128 x 128), one decode warpgroup and two
+// consumer warpgroups (168 registers a thread):
+//  * staging (both roles, OperandPart): a thread copies the packed codes of its half rows of K-tile kt + kRing - 1
+//    (+ 1 for consumers) into a shared-memory ring with cp.async (each thread reads back only its own copies: no
+//    barrier between copy and use), loads the block scales of the next K-tile into registers, and decodes its half
+//    rows of a K-tile (value(code) * block scale, exact bfloat16, gemm/gemm_decode.cuh) into the 128-byte-swizzled
+//    stage the WGMMAs read, once the consumers have released that stage (mbarrier `empty`); a proxy fence and an
+//    arrival on the stage's `full` mbarrier (all 384 threads) publish it. The decode warpgroup stages B, each
+//    consumer thread one half row of A in its own warpgroup's 64-row slice.
+//  * the consumer warpgroups (CuTe's SM90 64x256x16 / 64x128x16 bf16 WGMMA atom, fp32 accumulators) wait on
+//    `full`, issue the K-tile's four k16 WGMMAs, stage their A half rows of the next K-tile meanwhile, keep one batch
+//    in flight and release the stage of the previous K-tile on `empty`. NVFP4 1x64: each K-tile is one window; its
+//    WGMMAs accumulate into a zeroed temporary fragment, promoted into the accumulator as
+//    acc = fma(tmp * fa[m], fb[n], acc) (fa = RN(1 / S_enc,w) of row m's window, written per stage by the thread
+//    staging the row's half 0); the other consumer warpgroup's WGMMAs run meanwhile.
 //  * the epilogue (consumers) multiplies by ta then tb (NVFP4 tensor scales amax * fp32(1/2688), 1 otherwise), adds
 //    the bias, casts (RNE, canonical NaN) and stores with bounds checks; with kEmitAmax it folds max |out| (NaN if
 //    any output is NaN) into out_amax with a warp reduction and an atomicMax on the float bits (zeroed on the stream
@@ -43,7 +46,7 @@ namespace gemm {
 constexpr int kBM = 128, kBK = 64;
 constexpr int kDecoders = 128;              // one decode warpgroup (threads 0..127)
 constexpr int kThreads = kDecoders + 256;   // then two consumer warpgroups (168 registers a thread)
-constexpr int kRing = 3;                    // K-tiles of packed codes in flight per decoder thread
+constexpr int kRing = 3;                    // K-tiles of packed codes a thread has in the ring
 
 // Kernel arguments. Row strides in bytes follow from K: NVFP4 codes K / 2, MXFP8 codes K; scales K / 16 or K / 32.
 struct Params {
@@ -62,7 +65,7 @@ struct Params {
   int out_f32;              // float32 output (else bfloat16)
 };
 
-// One decoder thread's half row of an operand: its codes, block scales and (1x64) window amax at K-tile 0, and
+// A half row of an operand that a thread stages: its codes, block scales and (1x64) window amax at K-tile 0, and
 // whether the row exists. Computed once; a K-tile's accesses then only add the K-tile's offset.
 struct HalfRow {
   const uint8_t* data;   // code byte of k = 32 * half
