@@ -1,4 +1,5 @@
-// The SM count of the current device and persistent grid sizes (cpp/amax/, cpp/grouped/, cpp/dequantize/).
+// Cached attributes of the current device (SM count, compute capability) and persistent grid sizes (cpp/amax/,
+// cpp/grouped/, cpp/dequantize/, cpp/gemm/).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,8 +8,10 @@
 
 namespace jax_fp4 {
 
-// SM count of the current device, cached per device (host-only queries: valid during CUDA-graph capture).
-inline cudaError_t NumSms(int* num_sms) {
+// An attribute of the current device, cached per device and attribute (host-only queries: valid during CUDA-graph
+// capture). The cache holds value + 1, so that 0 means "not cached" whatever the attribute's values.
+template <cudaDeviceAttr kAttr>
+inline cudaError_t DeviceAttribute(int* value) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> cache[kMaxDevices] = {};
   int device = 0;
@@ -18,13 +21,26 @@ inline cudaError_t NumSms(int* num_sms) {
   if (cacheable) {
     const int cached = cache[device].load(std::memory_order_relaxed);
     if (cached > 0) {
-      *num_sms = cached;
+      *value = cached - 1;
       return cudaSuccess;
     }
   }
-  err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess && cacheable) cache[device].store(*num_sms, std::memory_order_relaxed);
+  err = cudaDeviceGetAttribute(value, kAttr, device);
+  if (err == cudaSuccess && cacheable && *value >= 0) cache[device].store(*value + 1, std::memory_order_relaxed);
   return err;
+}
+
+// SM count of the current device.
+inline cudaError_t NumSms(int* num_sms) { return DeviceAttribute<cudaDevAttrMultiProcessorCount>(num_sms); }
+
+// Compute capability of the current device as major * 10 + minor.
+inline cudaError_t ComputeCapability(int* cc) {
+  int major = 0, minor = 0;
+  cudaError_t err = DeviceAttribute<cudaDevAttrComputeCapabilityMajor>(&major);
+  if (err != cudaSuccess) return err;
+  if ((err = DeviceAttribute<cudaDevAttrComputeCapabilityMinor>(&minor)) != cudaSuccess) return err;
+  *cc = major * 10 + minor;
+  return cudaSuccess;
 }
 
 // Persistent grid of `kernel` launched with `threads` threads and `smem_bytes` dynamic shared memory: as many blocks

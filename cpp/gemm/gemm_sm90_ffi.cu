@@ -17,6 +17,7 @@
 #include "common/errors.h"
 #include "common/ffi_codes.h"
 #include "common/ffi_utils.h"
+#include "common/sm_count.h"
 #include "gemm/gemm_sm90.cuh"
 #include "xla/ffi/api/ffi.h"
 
@@ -24,27 +25,6 @@ namespace jax_fp4 {
 namespace {
 
 using gemm::Params;
-
-// Compute capability major * 10 + minor of the current device, cached per device (host queries only: valid during
-// CUDA-graph capture).
-cudaError_t ComputeCapability(int* cc) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const bool cacheable = device >= 0 && device < kMaxDevices;
-  if (cacheable && cache[device].load(std::memory_order_relaxed) > 0) {
-    *cc = cache[device].load(std::memory_order_relaxed);
-    return cudaSuccess;
-  }
-  int major = 0, minor = 0;
-  if ((err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device)) != cudaSuccess) return err;
-  if ((err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device)) != cudaSuccess) return err;
-  *cc = major * 10 + minor;
-  if (cacheable) cache[device].store(*cc, std::memory_order_relaxed);
-  return cudaSuccess;
-}
 
 // Raises the kernel's dynamic shared memory limit once per device (a host-side function attribute, set outside any
 // CUDA-graph capture after the first call on the device). `done` belongs to one kernel: every GemmKernel variant has
