@@ -4,7 +4,7 @@
 #   golden            tools/golden/check.py: kernel outputs against precomputed reference bits (needs
 #                     tools/golden/ref.npz from `python -P tools/golden/make.py`)
 #   pytest            pytest -m gpu tests
-#   sanitize          compute-sanitizer memcheck and racecheck of tools/golden/sanitize.py
+#   sanitize          compute-sanitizer memcheck and racecheck of tools/golden/sanitize.py (racecheck: minutes)
 #   sanitize-gemm     memcheck and racecheck of the jf4_gemm calls of tools/golden/sanitize.py alone
 #   pytest-gemm       pytest -m gpu of the jf4_gemm tests (tests/test_gemm_kernel.py, tests/test_gemm_primitive.py)
 #   bench-quantize, bench-dequantize, bench-dense, bench-amax, bench-gemm   the benchmarks/ tables (JSON to $OUT)
@@ -39,7 +39,7 @@ for step in "${steps[@]}"; do
     pytest-gemm) timeout 500 python3 -P -m pytest -q -rf -m gpu -p no:cacheprovider "$R/tests/test_gemm_kernel.py" \
                    "$R/tests/test_gemm_primitive.py" > "$OUT/pytest_gemm.log" 2>&1; tail -5 "$OUT/pytest_gemm.log" ;;
     sanitize) for tool in memcheck racecheck; do
-                timeout 90 compute-sanitizer --tool $tool --error-exitcode 9 python3 -P "$R/tools/golden/sanitize.py" \
+                timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 python3 -P "$R/tools/golden/sanitize.py" \
                   > "$OUT/san_$tool.log" 2>&1
                 echo "$tool rc=$? $(tail -1 "$OUT/san_$tool.log")"
               done ;;
