@@ -1,14 +1,15 @@
 // CPU FFI handler `jf4_grouped_dequantize` (registered for platform "cpu" by jax_fp4/_src/ffi.py): the operands,
-// result, attributes and checks of the CUDA handler (cpp/grouped/grouped_dequantize_ffi.cu; no limit on the group
-// count), bit-exact to jax_fp4.reference.grouped.dequantize_groups (docs/numerics.md section 4), in parallel over work
-// units of all groups (cpu/parallel.h).
+// result, attributes and checks (common/ffi_grouped_checks.h) of the CUDA handler
+// (cpp/grouped/grouped_dequantize_ffi.cu; no limit on the group count), bit-exact to
+// jax_fp4.reference.grouped.dequantize_groups (docs/numerics.md section 4), in parallel over work units of all groups
+// (cpu/parallel.h).
 //
-// A group whose block axis is whole blocks and that lies inside the buffer (NVFP4: at an even offset) is a
-// [1, R, C] tensor to the single-tensor decoder (cpu/dequantize_cpu.h: the code of jf4_dequantize; NVFP4 columnwise
-// with the transposed output, MXFP8 columnwise with its [M_g / 32, K_g] scales), one unit per row or 32-row block.
-// Any other group is one unit on the generic path: each internal block decoded from the codes and the scale slot the
-// reference reads (bounded by the buffers; NVFP4 with the inverse RHT over the block, padding codes included) and
-// its group elements stored. Output positions past the last group are 0.
+// A group whose block axis is whole blocks and that lies inside the buffer (NVFP4: at an even offset) is a [1, R, C]
+// tensor to the single-tensor decoder (cpu/dequantize_cpu.h: the code of jf4_dequantize; NVFP4 columnwise with the
+// transposed output, MXFP8 columnwise with its [M_g / 32, K_g] scales), one unit per row or 32-row block. Any other
+// group is one unit on the generic path: each internal block decoded from the codes and the scale slot the reference
+// reads (bounded by the buffers; NVFP4 with the inverse RHT over the block, padding codes included) and its group
+// elements stored. Output positions past the last group are 0.
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -17,6 +18,7 @@
 #include "common/convert.cuh"
 #include "common/errors.h"
 #include "common/ffi_codes.h"
+#include "common/ffi_grouped_checks.h"
 #include "common/ffi_utils.h"
 #include "cpu/dequantize_cpu.h"
 #include "cpu/grouped_cpu.h"
@@ -29,8 +31,6 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kMinWork = 1 << 18;  // elements per extra thread
-constexpr int32_t kColumnwise = codes::grouped_dequantize::kColumnwise, kRht = codes::grouped_dequantize::kRht,
-                  kRaw = codes::grouped_dequantize::kRaw;
 
 struct Call {
   const uint8_t* data;
@@ -128,51 +128,24 @@ void Run(const GroupTable& t, const Call& c) {
 ffi::Error GroupedDequantizeImpl(ffi::AnyBuffer data, ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> amax,
                                  ffi::Buffer<ffi::S32> first_dims, ffi::Buffer<ffi::S32> last_dims,
                                  ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> out, int32_t kind, int32_t flags) {
-  const int64_t size = static_cast<int64_t>(ElementCount(data));
-  const int64_t n = static_cast<int64_t>(ElementCount(first_dims));
-  const std::string where = "jf4_grouped_dequantize: data of " + std::to_string(size) + " elements, " +
-                            std::to_string(n) + " groups";
-  const bool nvfp4 = kind == dequantize::kNvfp4;
-  JF4_CHECK(nvfp4 || kind == dequantize::kMxfp8E4m3 || kind == dequantize::kMxfp8E5m2,
-            where + ": unknown kind " + std::to_string(kind));
-  JF4_CHECK((flags & ~(kColumnwise | kRht | kRaw)) == 0 && (nvfp4 || (flags & (kRht | kRaw)) == 0),
-            where + ": unsupported flags " + std::to_string(flags));
-  const ffi::DataType mx = kind == dequantize::kMxfp8E4m3 ? ffi::DataType::F8E4M3FN : ffi::DataType::F8E5M2;
-  const ffi::DataType dtype = nvfp4 ? ffi::DataType::F4E2M1FN : mx;
-  JF4_CHECK(size == 0 || data.element_type() == dtype, where + ": data dtype " + DataTypeName(data.element_type()));
-  JF4_CHECK(size < (int64_t(1) << 31), where + ": data must have fewer than 2**31 elements");
-  JF4_CHECK(n >= 1, where + ": at least one group");
-  JF4_CHECK(static_cast<int64_t>(ElementCount(last_dims)) == n, where + ": last_dims must hold N int32");
-  const int64_t bs = nvfp4 ? 16 : 32;
-  JF4_CHECK(static_cast<int64_t>(ElementCount(scale)) == size / bs,
-            where + ": scale must hold size / " + std::to_string(bs) + " elements, got " +
-                std::to_string(ElementCount(scale)));
-  JF4_CHECK(size / bs == 0 || scale.element_type() == (nvfp4 ? ffi::DataType::F8E4M3FN : ffi::DataType::F8E8M0FNU),
-            where + ": scale dtype " + DataTypeName(scale.element_type()));
-  const bool raw = flags & kRaw;
-  const bool tensor_scale = nvfp4 && !raw;
-  JF4_CHECK(static_cast<int64_t>(ElementCount(amax)) == (tensor_scale ? n : 0),
-            where + ": amax must be float32[N] for NVFP4 (not raw), else float32[0]");
-  JF4_CHECK(static_cast<int64_t>(ElementCount(*out)) == size, where + ": the output must hold size elements");
-  const ffi::DataType od = out->element_type();
-  JF4_CHECK(od == ffi::DataType::F32 || od == ffi::DataType::BF16 || od == ffi::DataType::F16,
-            where + ": output dtype " + DataTypeName(od) + " (expected float32, bfloat16 or float16)");
-  if (size == 0) return ffi::Error::Success();
+  checks::GroupedDequantizeCall gc;
+  JF4_RETURN_IF_ERROR(checks::CheckGroupedDequantize(data, scale, amax, first_dims, last_dims, *out, kind, flags,
+                                                     checks::kNoGroupLimit, &gc));
+  if (gc.size == 0) return ffi::Error::Success();
+  JF4_CHECK(first_dims.typed_data() != nullptr && last_dims.typed_data() != nullptr, gc.where + ": null dims");
   Call c{};
   c.data = static_cast<const uint8_t*>(data.untyped_data());
   c.scale = static_cast<const uint8_t*>(scale.untyped_data());
-  c.amax = tensor_scale ? amax.typed_data() : nullptr;
+  c.amax = gc.tensor_scale ? amax.typed_data() : nullptr;
   c.out = out->untyped_data();
-  c.out_bytes = od == ffi::DataType::F32 ? 4 : 2;
-  c.out_bf16 = od == ffi::DataType::BF16;
+  c.out_bytes = gc.out_type == ffi::DataType::F32 ? 4 : 2;
+  c.out_bf16 = gc.out_type == ffi::DataType::BF16;
   c.kind = kind;
-  c.col = flags & kColumnwise;
-  c.rht = nvfp4 && (flags & kRht);
-  c.raw = raw;
-  c.bs = bs;
-  JF4_CHECK(c.data != nullptr && c.out != nullptr && (size < bs || c.scale != nullptr), where + ": null buffer");
-  JF4_CHECK(first_dims.typed_data() != nullptr && last_dims.typed_data() != nullptr, where + ": null dims");
-  const GroupTable t(first_dims.typed_data(), last_dims.typed_data(), n, size);
+  c.col = gc.col;
+  c.rht = gc.rht;
+  c.raw = gc.raw;
+  c.bs = gc.bs;
+  const GroupTable t(first_dims.typed_data(), last_dims.typed_data(), gc.n, gc.size);
   IeeeScope ieee;
   Run(t, c);
   return ffi::Error::Success();
@@ -183,13 +156,4 @@ ffi::Error GroupedDequantizeImpl(ffi::AnyBuffer data, ffi::AnyBuffer scale, ffi:
 }  // namespace jax_fp4
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jf4_cpu_grouped_dequantize, jax_fp4::cpu::GroupedDequantizeImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int32_t>("kind")
-                                  .Attr<int32_t>("flags"));
+                              jax_fp4::checks::GroupedDequantizeSignature(xla::ffi::Ffi::Bind()));

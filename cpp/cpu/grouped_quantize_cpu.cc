@@ -1,17 +1,17 @@
-// CPU FFI handler `jf4_grouped_quantize` (registered for platform "cpu" by jax_fp4/_src/ffi.py): the operands,
-// results, attributes and checks of the CUDA handler (cpp/grouped/grouped_quantize_ffi.cu; no limit on the group
-// count, whose table the host keeps), bit-exact to jax_fp4.reference.grouped.quantize_groups (docs/numerics.md
-// section 4), in parallel over work units of all groups (cpu/parallel.h).
+// CPU FFI handler `jf4_grouped_quantize` (registered for platform "cpu" by jax_fp4/_src/ffi.py): the operands, results,
+// attributes and checks (common/ffi_grouped_checks.h) of the CUDA handler (cpp/grouped/grouped_quantize_ffi.cu; no
+// limit on the group count, whose table the host keeps), bit-exact to jax_fp4.reference.grouped.quantize_groups
+// (docs/numerics.md section 4), in parallel over work units of all groups (cpu/parallel.h).
 //
-// Per orientation: (1) the per-group NVFP4 tensor amaxes unless given (the max |y| over the group's internal blocks,
-// y after the RHT for RHT formats); (2) the encode. A group whose block axis is whole blocks and that lies inside the
-// buffer (NVFP4: at an even offset, so its codes fill whole bytes) is a [1, M_g, K_g] tensor to the single-tensor
-// band encoder (cpu/quantize_cpu.h EncodeBand: the same code as jf4_quantize), one unit per 16 oriented rows. Any
-// other group -- misaligned (traced sizes), after one (odd offsets), or overrunning the buffer -- is one unit on the
-// generic path: its internal blocks gathered exactly as the reference gathers them (reads past the group included),
-// encoded by EncodeBand as one row, then scattered to the reference's data positions and scale slots; misaligned
-// groups poisoned like the reference (NaN scales, MXFP8 data and NVFP4 amax). NVFP4 bytes shared by two groups are
-// composed after the parallel pass. Buffer positions past the last group hold code 0.
+// Per orientation: (1) the per-group NVFP4 tensor amaxes unless given (the max |y| over the group's internal blocks, y
+// after the RHT for RHT formats); (2) the encode. A group whose block axis is whole blocks and that lies inside the
+// buffer (NVFP4: at an even offset, so its codes fill whole bytes) is a [1, M_g, K_g] tensor to the single-tensor band
+// encoder (cpu/quantize_cpu.h EncodeBand: the same code as jf4_quantize), one unit per 16 oriented rows. Any other
+// group -- misaligned (traced sizes), after one (odd offsets), or overrunning the buffer -- is one unit on the generic
+// path: its internal blocks gathered exactly as the reference gathers them (reads past the group included), encoded by
+// EncodeBand as one row, then scattered to the reference's data positions and scale slots; misaligned groups poisoned
+// like the reference (NaN scales, MXFP8 data and NVFP4 amax). NVFP4 bytes shared by two groups are composed after the
+// parallel pass. Buffer positions past the last group hold code 0.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -21,6 +21,7 @@
 #include "common/convert.cuh"
 #include "common/errors.h"
 #include "common/ffi_codes.h"
+#include "common/ffi_grouped_checks.h"
 #include "common/ffi_utils.h"
 #include "cpu/grouped_cpu.h"
 #include "cpu/parallel.h"
@@ -286,55 +287,13 @@ void Quantize(const Source& s, const GroupTable& t, Side& side, const Side* othe
   if (s1 > s0) std::memset(side.scale + s0, 0, size_t(s1 - s0));
 }
 
-ffi::DataType DataType(int kind) {
-  switch (kind) {
-    case kNvfp4: return ffi::DataType::F4E2M1FN;
-    case kMxfp8E4m3: return ffi::DataType::F8E4M3FN;
-    default: return ffi::DataType::F8E5M2;
-  }
-}
-
-ffi::Error CheckBuffer(const ffi::AnyBuffer& b, ffi::DataType dtype, int64_t count, const std::string& what) {
-  if (count == 0) {  // placeholder: any dtype
-    JF4_CHECK(ElementCount(b) == 0, what + ": expected an empty placeholder, got " + std::to_string(ElementCount(b)) +
-                                        " elements");
-    return ffi::Error::Success();
-  }
-  JF4_CHECK(b.element_type() == dtype, what + ": expected " + DataTypeName(dtype) + ", got " +
-                                           DataTypeName(b.element_type()));
-  JF4_CHECK(static_cast<int64_t>(ElementCount(b)) == count,
-            what + ": expected " + std::to_string(count) + " elements, got " + std::to_string(ElementCount(b)));
-  JF4_CHECK(b.untyped_data() != nullptr, what + ": null buffer");
-  return ffi::Error::Success();
-}
-
-// Validates one orientation's results (grouped_quantize_ffi.cu Orientation) and fills `side`.
-ffi::Error SetupSide(Side& side, const std::string& where, int64_t size, int64_t n, ffi::AnyBuffer data,
-                     ffi::AnyBuffer scale, ffi::AnyBuffer amax) {
-  if (side.kind == kNone) {
-    JF4_RETURN_IF_ERROR(CheckBuffer(data, ffi::DataType::U8, 0, where + " data"));
-    JF4_RETURN_IF_ERROR(CheckBuffer(scale, ffi::DataType::U8, 0, where + " scale"));
-    return CheckBuffer(amax, ffi::DataType::F32, 0, where + " amax");
-  }
-  JF4_CHECK(side.kind == kNvfp4 || side.kind == kMxfp8E4m3 || side.kind == kMxfp8E5m2,
-            where + ": unknown format kind " + std::to_string(side.kind));
-  const bool nvfp4 = side.Nvfp4();
-  JF4_CHECK((side.opts & ~(kSr | kRht)) == 0 && (nvfp4 || side.opts == 0),
-            where + ": unsupported options " + std::to_string(side.opts) + " (grouped: NVFP4 1D with SR / RHT, MXFP8)");
-  side.bs = nvfp4 ? 16 : 32;
-  JF4_RETURN_IF_ERROR(CheckBuffer(data, DataType(side.kind), size, where + " data"));
-  JF4_RETURN_IF_ERROR(CheckBuffer(scale, nvfp4 ? ffi::DataType::F8E4M3FN : ffi::DataType::F8E8M0FNU, size / side.bs,
-                                  where + " scale"));
-  JF4_RETURN_IF_ERROR(CheckBuffer(amax, ffi::DataType::F32, nvfp4 ? n : 0, where + " amax"));
-  side.data = static_cast<uint8_t*>(data.untyped_data());
-  side.scale = static_cast<uint8_t*>(scale.untyped_data());
-  side.amax_out = nvfp4 ? static_cast<float*>(amax.untyped_data()) : nullptr;
-  return ffi::Error::Success();
-}
-
-bool Supported(int row_kind, int col_kind) {  // the pairings of grouped_quantize_ffi.cu (the lowering splits others)
-  if (row_kind == kNone || col_kind == kNone) return row_kind != col_kind;
-  return row_kind == kNvfp4 || row_kind == col_kind;
+// One orientation of a checked call (common/ffi_grouped_checks.h).
+Side MakeSide(const checks::GroupedResults& r, bool col) {
+  Side side;
+  side.kind = r.kind, side.opts = r.opts, side.col = col;
+  if (r.kind != kNone) side.bs = checks::BlockSize(r.kind);
+  side.data = r.data, side.scale = r.scale, side.amax_out = r.amax;
+  return side;
 }
 
 ffi::Error GroupedQuantizeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> first_dims, ffi::Buffer<ffi::S32> last_dims,
@@ -345,36 +304,17 @@ ffi::Error GroupedQuantizeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> first_dim
                                ffi::Result<ffi::AnyBuffer> col_scale, ffi::Result<ffi::AnyBuffer> col_amax,
                                ffi::Result<ffi::Buffer<ffi::F32>> scratch, int32_t row_kind, int32_t col_kind,
                                int32_t flags, int32_t amax_given) {
-  const int64_t size = static_cast<int64_t>(ElementCount(x));
-  const int64_t n = static_cast<int64_t>(ElementCount(first_dims));
-  const std::string where = "jf4_grouped_quantize: x of " + std::to_string(size) + " elements, " +
-                            std::to_string(n) + " groups";
   const auto xt = x.element_type();
   JF4_CHECK(xt == ffi::DataType::BF16 || xt == ffi::DataType::F16 || xt == ffi::DataType::F32,
-            where + ": unsupported dtype " + DataTypeName(xt) + " (expected bfloat16, float16 or float32)");
-  JF4_CHECK(size < (int64_t(1) << 31), where + ": x must have fewer than 2**31 elements");
-  JF4_CHECK(n >= 1, where + ": at least one group");
-  JF4_CHECK(static_cast<int64_t>(ElementCount(last_dims)) == n, where + ": last_dims must hold N int32");
-  JF4_CHECK(static_cast<int64_t>(ElementCount(key_row)) == 2 * n &&
-                static_cast<int64_t>(ElementCount(key_col)) == 2 * n,
-            where + ": keys must be uint32[N, 2]");
-  JF4_CHECK(Supported(row_kind, col_kind), where + ": unsupported format pairing row_kind " +
-                                               std::to_string(row_kind) + ", col_kind " + std::to_string(col_kind));
-  Side row, col;
-  row.kind = row_kind, row.opts = flags & codes::quantize::kOptionMask;
-  col.kind = col_kind, col.opts = (flags >> codes::quantize::kColShift) & codes::quantize::kOptionMask;
-  col.col = true;
-  JF4_RETURN_IF_ERROR(SetupSide(row, where + " rowwise", size, n, *row_data, *row_scale, *row_amax));
-  JF4_RETURN_IF_ERROR(SetupSide(col, where + " columnwise", size, n, *col_data, *col_scale, *col_amax));
-  const bool nv = row.Nvfp4() || col.Nvfp4();
-  const int64_t given_size = static_cast<int64_t>(ElementCount(amax_in));
-  JF4_CHECK(given_size == 2 * n || (given_size == 0 && (amax_given & 3) == 0),
-            where + ": amax_in must be float32[2N] (or float32[0] with amax_given 0), got " +
-                std::to_string(given_size) + " elements with amax_given " + std::to_string(amax_given));
-  JF4_CHECK(static_cast<int64_t>(ElementCount(*scratch)) == (nv ? 2 * n : 0) + 1,
-            where + ": scratch must be float32[2N + 1] with an NVFP4 orientation, else float32[1]");
-  JF4_CHECK(size == 0 || x.untyped_data() != nullptr, where + ": null input buffer");
-  JF4_CHECK(first_dims.typed_data() != nullptr && last_dims.typed_data() != nullptr, where + ": null dims");
+            checks::GroupedWhere("jf4_grouped_quantize: x", static_cast<int64_t>(ElementCount(x)),
+                                 static_cast<int64_t>(ElementCount(first_dims))) +
+                ": unsupported dtype " + DataTypeName(xt) + " (expected bfloat16, float16 or float32)");
+  checks::GroupedQuantizeCall c;
+  JF4_RETURN_IF_ERROR(checks::CheckGroupedQuantize(x, first_dims, last_dims, key_row, key_col, amax_in, *row_data,
+                                                   *row_scale, *row_amax, *col_data, *col_scale, *col_amax, *scratch,
+                                                   row_kind, col_kind, flags, amax_given, checks::kNoGroupLimit, &c));
+  const int64_t size = c.size, n = c.n;
+  Side row = MakeSide(c.row, false), col = MakeSide(c.col, true);
 
   // The scratch holds the amaxes each NVFP4 orientation encodes with (given or computed), then a zero word (the CUDA
   // kernel's scheduling counter).
@@ -399,22 +339,4 @@ ffi::Error GroupedQuantizeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> first_dim
 }  // namespace jax_fp4
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jf4_cpu_grouped_quantize, jax_fp4::cpu::GroupedQuantizeImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .RemainingArgs()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Attr<int32_t>("row_kind")
-                                  .Attr<int32_t>("col_kind")
-                                  .Attr<int32_t>("flags")
-                                  .Attr<int32_t>("amax_given"));
+                              jax_fp4::checks::GroupedQuantizeSignature(xla::ffi::Ffi::Bind()));
