@@ -59,23 +59,10 @@ inline ffi::Error CheckBuffer(const ffi::AnyBuffer& b, ffi::DataType dtype, int6
 // col_kind, flags (common/ffi_codes.h).
 template <typename Binding>
 auto QuantizeSignature(Binding b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::Buffer<ffi::F32>>()
-      .template Arg<ffi::Buffer<ffi::F32>>()
-      .template Arg<ffi::Buffer<ffi::U32>>()
-      .template Arg<ffi::Buffer<ffi::U32>>()
-      .RemainingArgs()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Attr<int32_t>("row_kind")
-      .template Attr<int32_t>("col_kind")
-      .template Attr<int32_t>("flags");
+  using ffi::AnyBuffer, ffi::Buffer, ffi::F32, ffi::U32;
+  auto args = BindArgs<AnyBuffer, Buffer<F32>, Buffer<F32>, Buffer<U32>, Buffer<U32>>(std::move(b)).RemainingArgs();
+  auto rets = BindRets<AnyBuffer, AnyBuffer, AnyBuffer, AnyBuffer, AnyBuffer, AnyBuffer, AnyBuffer>(std::move(args));
+  return BindAttrs<int32_t>(std::move(rets), "row_kind", "col_kind", "flags");
 }
 
 // Format pairings one call computes (the Python lowering splits any other pairing into two calls): NVFP4 rowwise with
@@ -174,15 +161,9 @@ inline ffi::Error CheckDbias(const ffi::AnyBuffer& dbias, int flags, int64_t P, 
 // amax f32, then any number of ignored ones; result out; attributes kind, flags.
 template <typename Binding>
 auto DequantizeSignature(Binding b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::Buffer<ffi::F32>>()
-      .template Arg<ffi::Buffer<ffi::F32>>()
-      .RemainingArgs()
-      .template Ret<ffi::AnyBuffer>()
-      .template Attr<int32_t>("kind")
-      .template Attr<int32_t>("flags");
+  using ffi::AnyBuffer, ffi::Buffer, ffi::F32;
+  auto args = BindArgs<AnyBuffer, AnyBuffer, Buffer<F32>, Buffer<F32>>(std::move(b)).RemainingArgs();
+  return BindAttrs<int32_t>(BindRets<AnyBuffer>(std::move(args)), "kind", "flags");
 }
 
 // The geometry of a checked jf4_dequantize call.

@@ -49,12 +49,7 @@ inline ffi::Error CheckGroupedBuffer(const ffi::AnyBuffer& b, ffi::DataType dtyp
                                         " elements");
     return ffi::Error::Success();
   }
-  JF4_CHECK(b.element_type() == dtype, what + ": expected " + DataTypeName(dtype) + ", got " +
-                                           DataTypeName(b.element_type()));
-  JF4_CHECK(static_cast<int64_t>(ElementCount(b)) == count,
-            what + ": expected " + std::to_string(count) + " elements, got " + std::to_string(ElementCount(b)));
-  JF4_CHECK(b.untyped_data() != nullptr, what + ": null buffer");
-  return ffi::Error::Success();
+  return CheckBuffer(b, dtype, count, what);
 }
 
 // ---- jf4_grouped_quantize ----------------------------------------------------------------------------------------
@@ -65,25 +60,11 @@ inline ffi::Error CheckGroupedBuffer(const ffi::AnyBuffer& b, ffi::DataType dtyp
 // attributes row_kind, col_kind, flags, amax_given.
 template <typename Binding>
 auto GroupedQuantizeSignature(Binding b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Arg<ffi::Buffer<ffi::U32>>()
-      .template Arg<ffi::Buffer<ffi::U32>>()
-      .template Arg<ffi::Buffer<ffi::F32>>()
-      .RemainingArgs()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::Buffer<ffi::F32>>()
-      .template Attr<int32_t>("row_kind")
-      .template Attr<int32_t>("col_kind")
-      .template Attr<int32_t>("flags")
-      .template Attr<int32_t>("amax_given");
+  using ffi::AnyBuffer, ffi::Buffer, ffi::F32, ffi::S32, ffi::U32;
+  auto args = BindArgs<AnyBuffer, Buffer<S32>, Buffer<S32>, Buffer<U32>, Buffer<U32>, Buffer<F32>>(std::move(b))
+                  .RemainingArgs();
+  auto rets = BindRets<AnyBuffer, AnyBuffer, AnyBuffer, AnyBuffer, AnyBuffer, AnyBuffer, Buffer<F32>>(std::move(args));
+  return BindAttrs<int32_t>(std::move(rets), "row_kind", "col_kind", "flags", "amax_given");
 }
 
 // One orientation of a checked call: its format, NVFP4 options and result pointers (null where absent; amax null
@@ -174,16 +155,9 @@ inline ffi::Error CheckGroupedQuantize(const ffi::AnyBuffer& x, const ffi::Buffe
 // amax f32, first_dims s32, last_dims s32, then any number of ignored ones; result out; attributes kind, flags.
 template <typename Binding>
 auto GroupedDequantizeSignature(Binding b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::Buffer<ffi::F32>>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .RemainingArgs()
-      .template Ret<ffi::AnyBuffer>()
-      .template Attr<int32_t>("kind")
-      .template Attr<int32_t>("flags");
+  using ffi::AnyBuffer, ffi::Buffer, ffi::F32, ffi::S32;
+  auto args = BindArgs<AnyBuffer, AnyBuffer, Buffer<F32>, Buffer<S32>, Buffer<S32>>(std::move(b)).RemainingArgs();
+  return BindAttrs<int32_t>(BindRets<AnyBuffer>(std::move(args)), "kind", "flags");
 }
 
 // A checked jf4_grouped_dequantize call.

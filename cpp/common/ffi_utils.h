@@ -63,4 +63,40 @@ inline ffi::Error DispatchFloat(ffi::DataType dtype, const char* what, Fn&& fn) 
   }
 }
 
+// Handler signatures: BindArgs<T1, T2, ...>(b) is std::move(b).Arg<T1>().Arg<T2>()..., BindRets<...>(b) likewise
+// with Ret, and BindAttrs<T>(b, "a", "b", ...) binds one attribute of type T per name, in order. (An xla::ffi::Binding
+// cannot be moved into a new object, only consumed by its && members, hence the references and no named results.)
+template <bool kRet, typename T, typename Binding>
+auto BindOne(Binding&& b) {
+  if constexpr (kRet) {
+    return std::move(b).template Ret<T>();
+  } else {
+    return std::move(b).template Arg<T>();
+  }
+}
+template <bool kRet, typename T, typename... Ts, typename Binding>
+auto BindEach(Binding&& b) {
+  if constexpr (sizeof...(Ts) == 0) {
+    return BindOne<kRet, T>(std::move(b));
+  } else {
+    return BindEach<kRet, Ts...>(BindOne<kRet, T>(std::move(b)));
+  }
+}
+template <typename... Ts, typename Binding>
+auto BindArgs(Binding&& b) {
+  return BindEach<false, Ts...>(std::move(b));
+}
+template <typename... Ts, typename Binding>
+auto BindRets(Binding&& b) {
+  return BindEach<true, Ts...>(std::move(b));
+}
+template <typename T, typename Binding, typename... Names>
+auto BindAttrs(Binding&& b, const char* name, Names... names) {
+  if constexpr (sizeof...(Names) == 0) {
+    return std::move(b).template Attr<T>(name);
+  } else {
+    return BindAttrs<T>(std::move(b).template Attr<T>(name), names...);
+  }
+}
+
 }  // namespace jax_fp4
