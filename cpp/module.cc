@@ -3,10 +3,9 @@
 
 #include <cstddef>
 #include <string>
-#include <type_traits>
 
+#include "common/ffi_module.h"
 #include "xla/ffi/api/api.h"
-#include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
 
@@ -30,12 +29,17 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(jf4_gemm);
 
 namespace {
 
-template <typename T>
-nb::capsule EncapsulateFfiHandler(T* fn) {
-  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
-                "Encapsulated function must be an XLA FFI handler");
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
+constexpr jax_fp4::FfiTarget kTargets[] = {
+    {"jf4_amax", jf4_amax},
+    {"jf4_quantize", jf4_quantize},
+    {"jf4_rht_amax", jf4_rht_amax},
+    {"jf4_dequantize", jf4_dequantize},
+    {"jf4_swizzle", jf4_swizzle},
+    {"jf4_unswizzle", jf4_unswizzle},
+    {"jf4_grouped_quantize", jf4_grouped_quantize},
+    {"jf4_grouped_dequantize", jf4_grouped_dequantize},
+    {"jf4_gemm", jf4_gemm},
+};
 
 }  // namespace
 
@@ -51,20 +55,5 @@ NB_MODULE(_jax_fp4_cuda, m) {
   }
   m.attr("cuda_architectures") = nb::steal(PySequence_Tuple(archs.ptr()));
   m.attr("cuda_compiler_version") = nb::str(JAX_FP4_CUDA_COMPILER_VERSION);
-  m.def(
-      "registrations",
-      []() {
-        nb::dict d;
-        d["jf4_amax"] = EncapsulateFfiHandler(jf4_amax);
-        d["jf4_quantize"] = EncapsulateFfiHandler(jf4_quantize);
-        d["jf4_rht_amax"] = EncapsulateFfiHandler(jf4_rht_amax);
-        d["jf4_dequantize"] = EncapsulateFfiHandler(jf4_dequantize);
-        d["jf4_swizzle"] = EncapsulateFfiHandler(jf4_swizzle);
-        d["jf4_unswizzle"] = EncapsulateFfiHandler(jf4_unswizzle);
-        d["jf4_grouped_quantize"] = EncapsulateFfiHandler(jf4_grouped_quantize);
-        d["jf4_grouped_dequantize"] = EncapsulateFfiHandler(jf4_grouped_dequantize);
-        d["jf4_gemm"] = EncapsulateFfiHandler(jf4_gemm);
-        return d;
-      },
-      "Return {target_name: PyCapsule} for every FFI handler in this extension.");
+  jax_fp4::DefRegistrations(m, kTargets, "Return {target_name: PyCapsule} for every FFI handler in this extension.");
 }

@@ -6,21 +6,14 @@
 
 #include <cstdint>
 
-#include "common/ffi_codes.h"
+#include "quantize/options.h"
 
 namespace jax_fp4 {
 namespace cpu {
 
-// Format kinds and NVFP4 option bits of the jf4_quantize attributes (common/ffi_codes.h).
-using codes::Kind;
-using codes::kMxfp8E4m3;
-using codes::kMxfp8E5m2;
-using codes::kNone;
-using codes::kNvfp4;
-enum Option : int {
-  kSr = codes::quantize::kSr, kRht = codes::quantize::kRht, k2d = codes::quantize::kScaling2d,
-  k1x64 = codes::quantize::kLocal1x64
-};
+// The format kinds and NVFP4 option bits under the quantize kernels' names (quantize/options.h: Kind, kNone, kNvfp4,
+// kMxfp8E4m3, kMxfp8E5m2, Option, kSr, kRht, k2d, k1x64; the host build sees nothing else of namespace quantize).
+using namespace quantize;
 
 constexpr int kBand = 16;  // oriented rows per work unit (one 2D tile high)
 

@@ -11,22 +11,11 @@
 
 #include "common/convert.cuh"
 #include "common/e2m1.cuh"
-#include "common/ffi_codes.h"
 #include "dequantize/decode.cuh"
+#include "quantize/options.h"
 
 namespace jax_fp4 {
 namespace quantize {
-
-using codes::Kind;
-using codes::kMxfp8E4m3;
-using codes::kMxfp8E5m2;
-using codes::kNone;
-using codes::kNvfp4;
-// One orientation's NVFP4 options (common/ffi_codes.h) under the kernels' short names.
-enum Option : int {
-  kSr = codes::quantize::kSr, kRht = codes::quantize::kRht, k2d = codes::quantize::kScaling2d,
-  k1x64 = codes::quantize::kLocal1x64
-};
 
 constexpr int kTile = 64;
 constexpr int kThreads = 256;
