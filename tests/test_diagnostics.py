@@ -2,7 +2,7 @@
 
 * the statistics of all six GEMM operands of a small `jax_fp4.flax.nnx.Dense` (NVFP4 forward, MXFP8 backward),
   gathered inside one `nnx.jit` value-and-grad, equal an independent numpy computation: the NVFP4 and MXFP8 encodes
-  of NUMERICS.md written with ml_dtypes casts (E4M3 / E2M1 / E8M0), and the statistics' definitions;
+  of docs/numerics.md written with ml_dtypes casts (E4M3 / E2M1 / E8M0), and the statistics' definitions;
 * the instrumented step returns the plain step's loss and gradients, and leaves the model's state as it was;
 * hand-made edge cases: saturation, flush to zero and scale underflow / overflow on blocks built for them (MXFP8
   and NVFP4 through `operand_stats`); an unquantized operand (+inf dB, zero fractions);
