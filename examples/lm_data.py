@@ -8,9 +8,9 @@ Corpora:
     path relative to the stdlib root is 0 mod 10 (about 10% of the files, the same on every machine with the same
     Python), so no function is half in train and half in validation.
   * ``load_text_file(path)``: any file, read as bytes; the last 10% (a contiguous region) is validation.
-Tokens are the bytes themselves (vocab 256), stored as uint8 arrays.
+Tokens are the bytes themselves (vocab 256), stored as uint8 arrays; lm_tokenizer turns a corpus into BPE ids.
 
-Batches are uint8 [batch, seq + 1] windows (inputs = [:, :-1], targets = [:, 1:]):
+Batches are [batch, seq + 1] windows (uint8 bytes or uint16 ids) (inputs = [:, :-1], targets = [:, 1:]):
   * training: random window starts from ``np.random.default_rng([seed, step])``, a pure function of (seed, step), so
     every recipe sees the same data in the same order and a resumed run continues with the batches it would have seen;
   * validation: a fixed set of evenly spaced windows over the validation split.
@@ -32,9 +32,11 @@ _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
-    train: np.ndarray  # uint8 [n_train]
+    train: np.ndarray  # uint8 [n_train] bytes (uint16 ids once tokenized, lm_tokenizer)
     val: np.ndarray  # uint8 [n_val]
     description: str
+    vocab: int = 256  # token ids are < vocab
+    bytes_per_token: float = 1.0  # the validation split's bytes per token (bits per byte = nats / ln 2 / this)
 
 
 def stdlib_root() -> Path:
@@ -123,12 +125,12 @@ def _windows(data: np.ndarray, starts: np.ndarray, seq: int) -> np.ndarray:
 
 
 def train_batch(corpus: Corpus, step: int, batch: int, seq: int, seed: int) -> np.ndarray:
-    """uint8 [batch, seq + 1]: random windows of the train split, a pure function of (seed, step)."""
+    """[batch, seq + 1] (the split's dtype): random windows of the train split, a pure function of (seed, step)."""
     starts = np.random.default_rng([seed, step]).integers(0, corpus.train.size - seq - 1, size=batch)
     return _windows(corpus.train, starts, seq)
 
 
 def val_batches(corpus: Corpus, n: int, batch: int, seq: int) -> list[np.ndarray]:
-    """n uint8 [batch, seq + 1] batches of evenly spaced windows over the validation split (the same every call)."""
+    """n [batch, seq + 1] batches of evenly spaced windows over the validation split (the same every call)."""
     starts = np.linspace(0, corpus.val.size - seq - 1, n * batch).astype(np.int64)
     return [_windows(corpus.val, s, seq) for s in starts.reshape(n, batch)]

@@ -1,21 +1,29 @@
-"""A GPT-style decoder whose attention and MLP GEMMs follow a jax_fp4 training recipe (used by train_lm.py).
+"""The decoder language models of train_lm.py, whose GEMMs follow a jax_fp4 training recipe.
 
-Model: token embedding -> n_layers x [x + out(attn(qkv(LN(x)))), x + MLP(LN(x))] -> LN -> logits head.
-  * qkv: `jax_fp4.flax.nnx.LayerNormDense` (pre-norm + the fused [d, 3d] projection), out: `jax_fp4.flax.nnx.Dense`
+Two block kinds (``ModelConfig.arch``):
+  * "gpt": token embedding -> n_layers x [x + out(attn(qkv(LN(x)))), x + MLP(LN(x))] -> LN -> logits head.
+    qkv: `jax_fp4.flax.nnx.LayerNormDense` (pre-norm + the fused [d, 3d] projection), out: `jax_fp4.flax.nnx.Dense`
     [d, d], MLP: `jax_fp4.flax.nnx.LayerNormMLP` (pre-norm, [d, 4d] GELU [4d, d]); these GEMMs are quantized as the
     recipe says (fprop, dgrad and wgrad).
+  * "llama": `lm_layers.LlamaBlock` (RMSNorm, grouped-query attention, SwiGLU MLP, no biases) and a final RMSNorm.
   * Unquantized, bfloat16 compute: the token embedding, the attention itself (q.k^T and p.v, causal, rotary position
-    embedding on q and k), the final LayerNorm and the logits head (`nnx.Linear`).
-  * Mixture of experts (``moe_experts`` E > 0): every block's MLP is a `jax_fp4.flax.moe.MoEMLP` instead: pre-norm
-    LayerNorm, a bfloat16 router (unquantized) picking the top ``moe_top_k`` of E experts per token (Mixtral routing,
-    dropless), each expert a GELU MLP [d, mlp_ratio*d] -> [mlp_ratio*d, d] like the dense MLP (so each token's
-    compute is top_k x the dense MLP's, the parameters E x), its grouped GEMMs quantized through
+    embedding on q and k), the final norm and the logits head (`nnx.Linear`, untied from the embedding).
+  * Mixture of experts (gpt, ``moe_experts`` E > 0): every block's MLP is a `jax_fp4.flax.moe.MoEMLP` instead:
+    pre-norm LayerNorm, a bfloat16 router (unquantized) picking the top ``moe_top_k`` of E experts per token (Mixtral
+    routing, dropless), each expert a GELU MLP [d, mlp_ratio*d] -> [mlp_ratio*d, d] like the dense MLP (so each
+    token's compute is top_k x the dense MLP's, the parameters E x), its grouped GEMMs quantized through
     `jax_fp4.ragged_dot` (`expert_recipe`: the recipe, with NVFP4 1x64's fprop x in 1D NVFP4 since grouped quantize
     has no 1x64 encode). The objective adds ``moe_aux_weight`` x the Switch load-balancing loss (MoEMLP's
     E * sum_e f_e P_e, averaged over the blocks; 1 when balanced) to the cross-entropy (`loss_terms`).
-Parameters are float32 (AdamW's master weights); every layer computes in bfloat16; the loss is float32. The blocks
-are unrolled, or with ``scan_layers`` stacked ([n_layers, ...] parameters) and applied with `nnx.scan`: one compiled
-block whatever the depth (XLA compile time of 4 blocks ~2.5x lower; unrolled runs faster on the CPU).
+Parameters are float32 (AdamW's master weights); every layer computes in bfloat16; the loss is float32.
+
+Block layouts: unrolled (``blocks``: an nnx.List, paths "blocks/<i>/...") or, with ``scan_layers``, stacked
+([k, ...] parameters) and applied with `nnx.scan` (one compiled block per stack whatever the depth). A precision
+policy with per-block rules splits the stack into contiguous segments with one recipe per layer each
+(`jax_fp4.policy.block_segments`; ``stacks``: an nnx.List of scanned stacks, paths "stacks/<j>/..."), so per-block
+rules keep the blocks scanned. Every layout starts from the same weights: the blocks are always initialized as
+one stack of n_layers (each block its own init draws and rng streams), then split into segments or unstacked.
+``remat`` checkpoints every block (`lm_layers.remat_policy`: "quantized" keeps the quantized GEMM residuals).
 
 Randomness: `nnx.Rngs(params=seed, quantize=seed + 1)`. The parameters come from the ``params`` stream only, so every
 recipe starts from the same weights for the same seed; recipes with stochastic rounding (NVFP4's gradient dy) keep a
@@ -24,22 +32,23 @@ recipe starts from the same weights for the same seed; recipes with stochastic r
 Block constraints of the quantized GEMMs: d_model and the MLP width multiples of 64 and the tokens per batch
 (batch x seq) a multiple of 128 (MXFP8 blocks of 32 along every GEMM axis, NVFP4 16x16 weight blocks, the RHT's 16).
 
-Parallelism (``mesh``: a `jax.sharding.Mesh` with axes ("data", "tensor"); None = one device, nothing annotated):
-  * data parallel: the batch is sharded over "data" (`batch_sharding`), parameters and optimizer state replicated
-    over it; XLA all-reduces the weight gradients.
+Parallelism (``mesh``: a `jax.sharding.Mesh` with axes ("data", "fsdp", "tensor"), examples/lm_mesh.py; None = one
+device, nothing annotated):
+  * data parallel: the batch is sharded over "data" and "fsdp" (`lm_mesh.batch_sharding`); XLA all-reduces (or,
+    over "fsdp", reduce-scatters) the weight gradients.
+  * fsdp: every matrix split over "fsdp" along its dimension "tensor" leaves whole (`lm_mesh.param_axes`), the AdamW
+    moments alike (the optimizer state inherits the annotations).
   * tensor parallel (Megatron): the qkv and MLP-up kernels [in, out] (and their biases) are split by columns over
-    "tensor", the attention-output and MLP-down kernels by rows (`nnx.with_partitioning` annotations, which the
-    optimizer state inherits); q, k and v are constrained to heads split over "tensor", so attention runs per head
-    shard and its output enters the row-split projection already split along its input features. The fused qkv
-    kernel keeps its [q | k | v] column order (the single-device model is unchanged), so a column shard holds a
-    contiguous slice of [q | k | v] rather than the q, k and v of its heads: XLA moves the misplaced heads between
-    tensor shards (collective-permute / all-to-all; a third of the qkv activation with 2 tensor shards, in fprop and
-    again for its gradient). A head-major column order would avoid that, at the price of another model.
-  Embedding, norms and logits head stay replicated. MoE blocks: data parallel only (experts and router replicated;
-  `mesh_problems` rejects tensor > 1: neither expert parallelism nor a per-expert Megatron split is implemented).
-  The jax_fp4 primitives partition themselves (custom_partitioning): quantize runs per shard with the tensor amax
-  reduced across shards, so every quantized operand equals the unsharded one. `make_train_step(graphdef, state,
-  mesh)` jits the step with these in / out shardings.
+    "tensor", the attention-output and MLP-down kernels by rows (`nnx.with_partitioning` annotations); q, k and v are
+    constrained to heads split over "tensor", so attention runs per head shard and its output enters the row-split
+    projection already split along its input features. The gpt block's fused qkv kernel keeps its [q | k | v] column
+    order, so a column shard holds a contiguous slice of [q | k | v] rather than the q, k and v of its heads: XLA
+    moves the misplaced heads between tensor shards (collective-permute / all-to-all). The llama block's kv-group
+    major order avoids that (see lm_layers).
+  Norms stay replicated. MoE blocks: data parallel only (experts and router replicated; `lm_mesh.mesh_problems`
+  rejects fsdp or tensor > 1). The jax_fp4 primitives partition themselves (custom_partitioning): quantize runs per
+  shard with the tensor amax reduced across shards, so every quantized operand equals the unsharded one.
+  `make_train_step(graphdef, state, mesh)` jits the step with these in / out shardings.
 """
 
 from __future__ import annotations
@@ -54,17 +63,19 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from lm_layers import REMAT, LlamaBlock, annotate, attention, remat_policy, rope
+from lm_mesh import batch_sharding, state_shardings
 
 from jax_fp4.flax import diagnostics as fdiag
 from jax_fp4.flax import nnx as fnnx
 from jax_fp4.flax import policy as fpolicy
 from jax_fp4.flax.moe import MoEMLP
 from jax_fp4.formats import NVFP4 as NVFP4Format
-from jax_fp4.policy import format_table
+from jax_fp4.policy import block_segments, format_table
 from jax_fp4.recipes import BF16, Recipe
 
 VOCAB = 256  # byte-level tokens
-DATA, TENSOR = "data", "tensor"  # mesh axis names
+ARCHS = ("gpt", "llama")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +91,10 @@ class ModelConfig:
     moe_experts: int = 0  # > 0: every block's MLP is a top-k mixture of this many experts
     moe_top_k: int = 2  # experts per token
     moe_aux_weight: float = 0.01  # weight of the load-balancing loss in the objective
+    arch: str = "gpt"  # "gpt" (LayerNorm, GELU MLP, biases) or "llama" (RMSNorm, SwiGLU, GQA, no biases)
+    kv_heads: int = 0  # llama: key / value heads (0: n_heads)
+    mlp_hidden: int = 0  # the MLP width (0: mlp_ratio x d_model)
+    remat: str = "none"  # activation checkpointing per block: lm_layers.REMAT
 
     @property
     def moe(self) -> bool:
@@ -88,6 +103,14 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.n_heads
+
+    @property
+    def hidden(self) -> int:
+        return self.mlp_hidden or self.mlp_ratio * self.d_model
 
     def validate(self):
         """A list of problems (empty when the configuration suits the quantized kernels)."""
@@ -102,6 +125,16 @@ class ModelConfig:
             errs.append(f"top-k {self.moe_top_k} must be in [1, {self.moe_experts}] (the number of experts)")
         if self.moe_aux_weight < 0 or not math.isfinite(self.moe_aux_weight):
             errs.append(f"the load-balancing loss weight {self.moe_aux_weight} must be a finite number >= 0")
+        if self.arch not in ARCHS:
+            errs.append(f"arch {self.arch!r} must be one of {ARCHS}")
+        if self.n_heads % self.kv or (self.arch == "gpt" and self.kv != self.n_heads):
+            errs.append(f"kv_heads {self.kv} must divide n_heads {self.n_heads} (and equal it for the gpt block)")
+        if self.hidden % (128 if self.arch == "llama" else 64):
+            errs.append(f"the MLP width {self.hidden} must be a multiple of 64 (llama: 128, whole SwiGLU chunk pairs)")
+        if self.arch == "llama" and self.moe:
+            errs.append("mixture-of-experts MLPs need the gpt block")
+        if self.remat not in REMAT:
+            errs.append(f"remat {self.remat!r} must be one of {REMAT}")
         return errs
 
 
@@ -117,61 +150,37 @@ def expert_recipe(recipe: Recipe) -> Recipe:
     return dataclasses.replace(recipe, name=f"{recipe.name}-experts", **fmts) if fmts else recipe
 
 
-def attention_implementation():
-    """"cudnn" (the fused flash-attention kernel) when the default backend is a GPU, else None (XLA's)."""
-    return "cudnn" if jax.default_backend() == "gpu" else None
-
-
-def rope(x, base):
-    """Rotary position embedding of x [B, T, H, Dh] (pairs (i, i + Dh/2) rotated by position / base^(2i/Dh))."""
-    _, t, _, dh = x.shape
-    inv = base ** (-jnp.arange(0, dh // 2, dtype=jnp.float32) * 2.0 / dh)
-    ang = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None, :]  # [T, Dh/2]
-    cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-def _annotate(init, spec, mesh):
-    """init with the mesh axes of its dimensions attached (`nnx.with_partitioning`), or init itself without a mesh."""
-    return init if mesh is None else nnx.with_partitioning(init, spec, mesh=mesh)
-
-
 class Block(nnx.Module):
     """Pre-norm transformer block: x + out(attention(qkv(LN(x)))), then x + MLP(LN(x)).
 
-    mesh: None, or a Mesh with axes ("data", "tensor"): qkv and MLP-up split by columns, out and MLP-down by rows
-    over "tensor", q / k / v by heads (see the module docstring)."""
+    mesh: None, or a Mesh with axes ("data", "fsdp", "tensor"): qkv and MLP-up split by columns, out and MLP-down
+    by rows over "tensor", q / k / v by heads, the kernels over "fsdp" (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, recipe: Recipe, rngs: nnx.Rngs, dtype=jnp.bfloat16, mesh=None):
         d = cfg.d_model
-        self.cfg = cfg
-        col = dict(kernel_init=_annotate(fnnx.default_kernel_init, (None, TENSOR), mesh),
-                   bias_init=_annotate(fnnx.default_bias_init, (TENSOR,), mesh))
+        self.cfg, self.mesh = cfg, mesh
+        col = dict(kernel_init=annotate(fnnx.default_kernel_init, "col", mesh),
+                   bias_init=annotate(fnnx.default_bias_init, "colvec", mesh))
         self.qkv = fnnx.LayerNormDense(d, 3 * d, recipe=recipe, dtype=dtype, rngs=rngs, **col)
         # GPT-2 style: the residual projections start smaller (std / sqrt(2 * n_layers)).
         small = nnx.initializers.variance_scaling(1.0 / (2 * cfg.n_layers), "fan_in", "truncated_normal")
-        self.out = fnnx.Dense(d, d, recipe=recipe, dtype=dtype, kernel_init=_annotate(small, (TENSOR, None), mesh),
+        self.out = fnnx.Dense(d, d, recipe=recipe, dtype=dtype, kernel_init=annotate(small, "row", mesh),
                               rngs=rngs)
         if cfg.moe:  # replicated (data parallel only: see mesh_problems)
             self.mlp = MoEMLP(d, cfg.mlp_ratio * d, cfg.moe_experts, recipe=expert_recipe(recipe),
                               top_k=cfg.moe_top_k, activation="gelu", norm="layernorm", dtype=dtype, rngs=rngs)
         else:
             self.mlp = fnnx.LayerNormMLP(d, cfg.mlp_ratio * d, recipe=recipe, activation="gelu", dtype=dtype,
-                                         rngs=rngs, down_kernel_init=_annotate(fnnx.default_kernel_init,
-                                                                               (TENSOR, None), mesh),
+                                         rngs=rngs, down_kernel_init=annotate(fnnx.default_kernel_init, "row", mesh),
                                          down_bias_init=fnnx.default_bias_init, **col)
-        self.heads = None if mesh is None else NamedSharding(mesh, P(DATA, None, TENSOR, None))  # [B, T, H, Dh]
 
     def __call__(self, x):
         """(x [B, T, d] after the block, the MoE load-balancing loss float32 (0 for a dense MLP))."""
         b, t, d = x.shape
         h, dh = self.cfg.n_heads, self.cfg.head_dim
         q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * h, dh), 3, axis=2)
-        if self.heads is not None:
-            q, k, v = (jax.lax.with_sharding_constraint(a, self.heads) for a in (q, k, v))
         q, k = rope(q, self.cfg.rope_base), rope(k, self.cfg.rope_base)
-        a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_implementation())
+        a = attention(q, k, v, self.mesh)
         x = x + self.out(a.reshape(b, t, d))
         if self.cfg.moe:
             y, aux = self.mlp(x, return_aux_loss=True)
@@ -180,46 +189,74 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
-    """Decoder-only language model: tokens int32 [B, T] -> logits float32 [B, T, vocab]."""
+    """Decoder-only language model: tokens int32 [B, T] -> logits float32 [B, T, vocab].
 
-    def __init__(self, cfg: ModelConfig, recipe: Recipe, rngs: nnx.Rngs, dtype=jnp.bfloat16, mesh=None):
+    segments: with ``cfg.scan_layers``, the [start, stop) block runs of the scanned stacks (default: one stack of
+    all blocks); see the module docstring. Ignored for unrolled blocks."""
+
+    def __init__(self, cfg: ModelConfig, recipe: Recipe, rngs: nnx.Rngs, dtype=jnp.bfloat16, mesh=None,
+                 segments=None):
         self.cfg = cfg
         self.recipe = recipe
-        self.embed = nnx.Embed(cfg.vocab, cfg.d_model, dtype=dtype,
-                               embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
-
-        if cfg.scan_layers:  # parameters [n_layers, ...], each layer with its own init draws and rng streams
-            @nnx.split_rngs(splits=cfg.n_layers)
-            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=_LAYER_AXIS)
-            def stacked(rngs):
-                return Block(cfg, recipe, rngs, dtype, mesh)
-
-            self.blocks = stacked(rngs)
+        self.embed = nnx.Embed(cfg.vocab, cfg.d_model, dtype=dtype, rngs=rngs,
+                               embedding_init=annotate(nnx.initializers.normal(0.02), "embed", mesh))
+        stack = _stack(cfg, recipe, rngs, dtype, mesh, cfg.n_layers)  # the initial weights of every layout
+        if cfg.scan_layers:
+            segments = tuple(segments or ((0, cfg.n_layers),))
+            if [s for seg in segments for s in seg] != [0, *(s for seg in segments[1:] for s in (seg[0],) * 2),
+                                                       cfg.n_layers] or any(a >= b for a, b in segments):
+                raise ValueError(f"segments {segments} must be contiguous non-empty runs covering blocks "
+                                 f"0..{cfg.n_layers - 1}")
+            self.segments = segments
+            self.stacks = nnx.List([stack if (a, b) == (0, cfg.n_layers) else _take(
+                stack, slice(a, b), nnx.eval_shape(lambda n=b - a: _stack(cfg, recipe, nnx.Rngs(params=0, quantize=0), dtype, mesh, n)))
+                for a, b in segments])
         else:
-            self.blocks = nnx.List([Block(cfg, recipe, rngs, dtype, mesh) for _ in range(cfg.n_layers)])
-        self.norm = nnx.LayerNorm(cfg.d_model, epsilon=1e-6, dtype=dtype, rngs=rngs)
-        self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, dtype=dtype, rngs=rngs)
+            one = nnx.eval_shape(lambda: _block(cfg, recipe, nnx.Rngs(params=0, quantize=0), dtype, mesh))
+            self.blocks = nnx.List([_take(stack, i, one) for i in range(cfg.n_layers)])
+        norm = nnx.RMSNorm if cfg.arch == "llama" else nnx.LayerNorm
+        self.norm = norm(cfg.d_model, epsilon=1e-6, dtype=dtype, rngs=rngs)
+        self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, dtype=dtype, rngs=rngs,
+                               kernel_init=annotate(nnx.initializers.lecun_normal(), "head", mesh))
+
+    def stacks_map(self) -> dict[str, tuple[str, ...]]:
+        """{stack path: the block paths it holds} of the scanned stacks ({} for unrolled blocks): the ``stacks`` of
+        `jax_fp4.flax.policy.apply`."""
+        if not self.cfg.scan_layers:
+            return {}
+        return {f"stacks/{j}": tuple(f"blocks/{i}" for i in range(a, b)) for j, (a, b) in enumerate(self.segments)}
 
     def embed_tokens(self, tokens):
-        """bfloat16 [B, T, d_model]: the embedding rows of tokens, as one_hot(tokens) @ embedding.
+        """bfloat16 [B, T, d_model]: the embedding rows of tokens; for byte vocabularies (<= 256) as
+        one_hot(tokens) @ embedding.
 
         The same values as `self.embed(tokens)` (one nonzero product per output, exact), but the embedding's
         gradient becomes a [vocab, B*T] x [B*T, d_model] GEMM instead of the scatter-add of a gather, whose atomic
         adds serialise on the few byte values text repeats (spaces, 'e', newlines): on an H100 at 32k tokens a step
-        that scatter cost more than the rest of the step's kernels. Byte vocabularies (256) keep the one-hot small.
+        that scatter cost more than the rest of the step's kernels. Larger (BPE) vocabularies gather: a one-hot
+        [B*T, vocab] would be too large, and their atomics spread over many rows.
         """
         e = self.embed
+        if self.cfg.vocab > VOCAB:
+            return e(tokens)
         return jax.nn.one_hot(tokens, self.cfg.vocab, dtype=e.dtype) @ e.embedding[...].astype(e.dtype)
 
     def __call__(self, tokens, *, return_aux_loss: bool = False):
         """logits; with return_aux_loss also the blocks' mean MoE load-balancing loss (0 without MoE)."""
         x = self.embed_tokens(tokens)
+        policy = remat_policy(self.cfg.remat)
         if self.cfg.scan_layers:
-            x, aux = _scan_blocks(x, self.blocks)
+            scan = _scan_blocks if policy is None else _scan_fn(policy)
+            aux = []
+            for stack in self.stacks:
+                x, a = scan(x, stack)
+                aux.append(a)
+            aux = jnp.concatenate(aux)
         else:
+            call = _call if policy is None else nnx.remat(_call, policy=policy)
             aux = []
             for block in self.blocks:
-                x, a = block(x)
+                x, a = call(block, x)
                 aux.append(a)
             aux = jnp.stack(aux)
         logits = self.head(self.norm(x)).astype(jnp.float32)
@@ -229,14 +266,50 @@ class GPT(nnx.Module):
 _LAYER_AXIS = {nnx.PARTITION_NAME: None}  # the stacked layer axis: unsharded (inserted into the sharding annotations)
 
 
+def _block(cfg, recipe, rngs, dtype, mesh):
+    return (LlamaBlock if cfg.arch == "llama" else Block)(cfg, recipe, rngs, dtype, mesh)
+
+
+def _stack(cfg, recipe, rngs, dtype, mesh, n):
+    """n blocks stacked ([n, ...] parameters), each with its own init draws and rng streams."""
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=_LAYER_AXIS)
+    def stacked(rngs):
+        return _block(cfg, recipe, rngs, dtype, mesh)
+
+    return stacked(rngs)
+
+
+def _take(stack, index, like):
+    """`like` (an abstract module of the right structure and annotations) holding stack's state at `index` (an int:
+    one block; a slice: a shorter stack)."""
+    graphdef, state = nnx.split(like)
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda v: v[index], nnx.to_pure_dict(nnx.state(stack))))
+    return nnx.merge(graphdef, state)
+
+
+def _call(block, x):
+    return block(x)
+
+
 @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=_LAYER_AXIS)
 def _scan_blocks(x, block):
     return block(x)  # (x, aux): the load-balancing losses stacked [n_layers]
 
 
-def make_model(cfg: ModelConfig, recipe: Recipe, seed: int, mesh=None) -> GPT:
-    """A fresh GPT; with a mesh its parameters are created sharded (the same values as without)."""
-    return GPT(cfg, recipe, nnx.Rngs(params=seed, quantize=seed + 1), mesh=mesh)
+def _scan_fn(policy):
+    """_scan_blocks with every block under `nnx.remat(policy=policy)`."""
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=_LAYER_AXIS)
+    def scan(x, block):
+        return nnx.remat(_call, policy=policy)(block, x)
+
+    return scan
+
+
+def make_model(cfg: ModelConfig, recipe: Recipe, seed: int, mesh=None, segments=None) -> GPT:
+    """A fresh model; with a mesh its parameters are annotated (`build` places them sharded; the same values as
+    without). segments: the scanned stacks' block runs (see GPT)."""
+    return GPT(cfg, recipe, nnx.Rngs(params=seed, quantize=seed + 1), mesh=mesh, segments=segments)
 
 
 def loss_terms(model: GPT, batch):
@@ -277,60 +350,6 @@ def make_optimizer(o: OptConfig) -> optax.GradientTransformation:
 
     return optax.chain(optax.clip_by_global_norm(o.clip),
                        optax.adamw(schedule, b1=0.9, b2=o.b2, weight_decay=o.weight_decay, mask=decay_mask))
-
-
-def make_mesh(data: int, tensor: int):
-    """A (data, tensor) `jax.sharding.Mesh` over the first data * tensor devices (Auto axes: XLA propagates the
-    annotations; jax.make_mesh's device order suits the interconnect)."""
-    auto = (jax.sharding.AxisType.Auto,) * 2
-    return jax.make_mesh((data, tensor), (DATA, TENSOR), axis_types=auto, devices=jax.devices()[:data * tensor])
-
-
-def mesh_problems(cfg: ModelConfig, batch: int, data: int, tensor: int) -> list[str]:
-    """Why a (data, tensor) mesh does not suit this model and batch (empty when it does): the batch splits over
-    "data" and every data shard keeps whole 128-token blocks; the heads (hence qkv, the attention output and the MLP)
-    split over "tensor" in slices of whole 32-element MXFP8 blocks (NVFP4 1x64 windows of 64 may straddle shards:
-    then quantize gathers that axis, see `mesh_notes`)."""
-    errs = []
-    if batch % data:
-        errs.append(f"--batch {batch} does not split over the data axis ({data})")
-    elif (batch // data * cfg.seq) % 128:
-        errs.append(f"{batch // data} sequences x seq {cfg.seq} = {batch // data * cfg.seq} tokens per data shard: "
-                    "must be a multiple of 128 (the quantized GEMMs' blocks along the token axis must not straddle "
-                    "shards)")
-    if cfg.n_heads % tensor:
-        errs.append(f"the {cfg.n_heads} attention heads (d_model {cfg.d_model} / head size {cfg.head_dim}) do not "
-                    f"split over the tensor axis ({tensor})")
-    elif (cfg.d_model // tensor) % 32:
-        errs.append(f"d_model {cfg.d_model} / tensor {tensor} = {cfg.d_model // tensor} features per shard: must be a "
-                    "multiple of 32 (MXFP8 blocks must not straddle shards)")
-    if cfg.moe and tensor > 1:
-        errs.append(f"--moe supports data parallelism only (tensor 1, e.g. --mesh {data * tensor}x1): the experts are "
-                    "replicated, neither expert parallelism nor a tensor split of the experts is implemented")
-    return errs
-
-
-def mesh_notes(cfg: ModelConfig, recipe: Recipe, tensor: int) -> list[str]:
-    """Tensor-split widths that the recipe's quantize must gather on this mesh (correct results, an all-gather per
-    use): NVFP4 1x64 windows of 64 that would straddle shards."""
-    local_1x64 = any(getattr(f, "local_1x64", False) for f in recipe.formats())
-    widths = {"the attention output's input features": cfg.d_model // tensor,
-              "the qkv kernel's columns": 3 * cfg.d_model // tensor,
-              "the MLP's hidden features": cfg.mlp_ratio * cfg.d_model // tensor}
-    split = [f"{name} ({n} per shard)" for name, n in widths.items() if n % 64]
-    if local_1x64 and tensor > 1 and split:
-        return [f"{recipe.name}: quantize gathers {', '.join(split)}: not a multiple of the 64-element 1x64 windows"]
-    return []
-
-
-def batch_sharding(mesh):
-    """The sharding of a token batch [B, T + 1]: B split over "data"."""
-    return NamedSharding(mesh, P(DATA, None))
-
-
-def state_shardings(state, mesh):
-    """NamedShardings of an nnx state from its variables' annotations (unannotated: replicated)."""
-    return nnx.get_named_sharding(state, mesh)
 
 
 def make_train_step(graphdef, state=None, mesh=None, diagnostics: bool = False):
@@ -392,22 +411,24 @@ def build_phases(cfg: ModelConfig, recipe: Recipe, policies, opt_cfg: OptConfig,
     """A fresh model and AdamW state trained with `recipe`, the layers' recipes set per phase by `policies` (a
     sequence of `jax_fp4.policy.Policy`, e.g. the two phases of a `jax_fp4.schedule.PrecisionSwitch`).
 
-    MoE blocks' MLPs take the policy's recipe for their path through `expert_recipe`. A phase whose recipe needs
-    stochastic rounding where the model's does not gets rng streams seeded from seed + 2 (unscanned blocks).
+    Scanned blocks are split into the segments of `segments_for` (one recipe per layer and phase in each), so
+    per-block rules keep the blocks scanned. MoE blocks' MLPs take the policy's recipe for their path through
+    `expert_recipe`. A phase whose recipe needs stochastic rounding where the model's does not gets rng streams
+    seeded from seed + 2 (unscanned blocks; a scanned stack must be built with such a recipe).
 
     Raises:
-      jax_fp4.policy.UnmatchedRuleError: a rule matches no layer (e.g. per-block rules on scanned blocks).
-      ValueError: the phases' states differ (cannot happen unless a scanned layer needs a new rng stream).
+      jax_fp4.policy.UnmatchedRuleError: a rule matches no layer.
+      ValueError: a scanned layer would need a new rng stream (the phases' states would differ).
     """
-    model = make_model(cfg, recipe, seed, mesh)
-    rngs = nnx.Rngs(quantize=seed + 2)
+    model = make_model(cfg, recipe, seed, mesh, segments=segments_for(cfg, recipe, policies))
+    rngs, stacks = nnx.Rngs(quantize=seed + 2), model.stacks_map()
     for pol in policies:  # first pass: every rng stream any phase needs exists in every phase
-        _apply_policy(pol, model, rngs)
+        _apply_policy(pol, model, rngs, stacks)
     opt = nnx.Optimizer(model, make_optimizer(opt_cfg), wrt=nnx.Param)
     graphdefs, tables, state = [], [], None
     for pol in policies:
-        _apply_policy(pol, model, rngs)
-        tables.append(_recipe_table(pol, model))
+        _apply_policy(pol, model, rngs, stacks)
+        tables.append(_recipe_table(pol, model, stacks))
         graphdef, st = nnx.split((model, opt))
         if state is not None and jax.tree.structure(st) != jax.tree.structure(state):
             raise ValueError("build_phases: the phases' states differ")
@@ -419,17 +440,35 @@ def build_phases(cfg: ModelConfig, recipe: Recipe, policies, opt_cfg: OptConfig,
                   [make_train_step(g, state, mesh, diagnostics=True) for g in graphdefs], tables)
 
 
-def _recipe_table(policy, model) -> str:
-    """The layer -> recipe table of the model as built (MoE experts: their `expert_recipe`) and the deciding rule."""
+def block_layers(cfg: ModelConfig, recipe: Recipe) -> list[str]:
+    """The paths of the quantizable layers inside one block ("qkv/dense", "out", "mlp/up", ...), from an abstract
+    block (no FLOPs)."""
+    one = nnx.eval_shape(lambda: _block(cfg, recipe, nnx.Rngs(params=0, quantize=0), jnp.bfloat16, None))
+    return list(fpolicy.layers(one))
+
+
+def segments_for(cfg: ModelConfig, recipe: Recipe, policies):
+    """The scanned stacks' [start, stop) block runs for `policies` (`jax_fp4.policy.block_segments`): a boundary
+    wherever some phase gives a layer of adjacent blocks different recipes; None for unrolled blocks."""
+    if not cfg.scan_layers:
+        return None
+    return block_segments(policies, cfg.n_layers, block_layers(cfg, recipe))
+
+
+def _recipe_table(policy, model, stacks) -> str:
+    """The layer -> recipe table of the model as built (MoE experts: their `expert_recipe`) and the deciding rule
+    (a stacked layer's: that of its first block)."""
     rows = []
     for path, node in fpolicy.layers(model).items():
-        rule = policy.match(path)
-        rows.append((path, node.recipe.name, "default" if rule is None else repr(rule.pattern)))
+        rule = policy.match(fpolicy.policy_paths(path, stacks)[0])
+        blocks = stacks.get("/".join(path.split("/")[:2]))
+        where = f"{path} (blocks {blocks[0].split('/')[1]}-{blocks[-1].split('/')[1]})" if blocks else path
+        rows.append((where, node.recipe.name, "default" if rule is None else repr(rule.pattern)))
     return format_table(rows)
 
 
-def _apply_policy(policy, model, rngs):
-    fpolicy.apply(policy, model, rngs=rngs)
+def _apply_policy(policy, model, rngs, stacks):
+    fpolicy.apply(policy, model, rngs=rngs, stacks=stacks)
     for _, node in nnx.iter_graph(model):  # grouped quantize has no 1x64 encode: see expert_recipe
         if isinstance(node, MoEMLP) and expert_recipe(node.recipe) != node.recipe:
             node.recipe = expert_recipe(node.recipe)
@@ -440,7 +479,7 @@ def count_params(cfg: ModelConfig, active: bool = False) -> int:
     model = nnx.eval_shape(lambda: make_model(cfg, BF16(), 0))
     n = sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     if active and cfg.moe:
-        per_expert = cfg.n_layers * 2 * cfg.d_model * cfg.mlp_ratio * cfg.d_model  # up [d, h] + down [h, d]
+        per_expert = cfg.n_layers * 2 * cfg.d_model * cfg.hidden  # up [d, h] + down [h, d]
         n -= (cfg.moe_experts - cfg.moe_top_k) * per_expert
     return n
 
@@ -448,8 +487,12 @@ def count_params(cfg: ModelConfig, active: bool = False) -> int:
 def flops_per_token(cfg: ModelConfig) -> float:
     """Model FLOPs of one training token (forward + backward), the PaLM / Chinchilla count used for MFU:
     6 x (the GEMM weights one token uses: qkv, out, MLP (top_k experts with MoE), router, logits head) + the attention
-    products 12 x n_layers x d_model x seq (q.k^T and p.v, forward and backward, causal mask not discounted)."""
-    d, L = cfg.d_model, cfg.n_layers
-    mlp = 2 * d * cfg.mlp_ratio * d * (cfg.moe_top_k if cfg.moe else 1) + (d * cfg.moe_experts if cfg.moe else 0)
-    gemm = L * (3 * d * d + 3 * d + d * d + mlp) + d * cfg.vocab
-    return 6.0 * gemm + 12.0 * L * d * cfg.seq
+    products 12 x n_layers x (n_heads x head_dim) x seq (q.k^T and p.v, forward and backward, causal mask not
+    discounted). gpt: qkv 3 d^2 (+ bias), MLP 2 d h; llama: qkv d (n_heads + 2 kv_heads) head_dim, MLP 3 d h."""
+    d, L, h = cfg.d_model, cfg.n_layers, cfg.hidden
+    if cfg.arch == "llama":
+        block = d * (cfg.n_heads + 2 * cfg.kv) * cfg.head_dim + cfg.n_heads * cfg.head_dim * d + 3 * d * h
+    else:
+        mlp = 2 * d * h * (cfg.moe_top_k if cfg.moe else 1) + (d * cfg.moe_experts if cfg.moe else 0)
+        block = 3 * d * d + 3 * d + d * d + mlp
+    return 6.0 * (L * block + d * cfg.vocab) + 12.0 * L * cfg.n_heads * cfg.head_dim * cfg.seq

@@ -46,7 +46,6 @@ of validation loss, bits per byte, the gap to bf16, tokens/s and step time.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import json
 import math
@@ -65,8 +64,12 @@ from jax_fp4 import recipes
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, also under python -P
 import lm_checkpoint  # noqa: E402
 import lm_data  # noqa: E402
+import lm_layers  # noqa: E402
+import lm_mesh  # noqa: E402
 import lm_model  # noqa: E402
 import lm_precision  # noqa: E402
+import lm_report  # noqa: E402
+import lm_tokenizer  # noqa: E402
 
 PRESETS = {
     # tiny: two CPU cores, ~1 min per quantized recipe (mostly XLA compiling the bit-exact reference kernels)
@@ -81,9 +84,20 @@ PRESETS = {
     # bf16 step; unrolled, XLA compiles 12 blocks (~15 s) once per recipe.
     "medium": dict(d_model=768, layers=12, head_dim=64, seq=512, batch=64, steps=2000, lr=6e-4, warmup=200,
                    eval_every=250, eval_batches=8, log_every=25, ckpt_every=1000, scan=False, corpus="site-packages"),
+    # large: Llama-style (RMSNorm, SwiGLU, grouped-query attention, untied embeddings), ~1.0B parameters, seq 2048,
+    # BPE tokens (32768, trained on the corpus), scanned blocks checkpointed keeping the quantized residuals; 32k
+    # tokens per step, meant for an fsdp mesh (--mesh 1x2x1 on 2 GPUs).
+    "large": dict(d_model=2048, layers=16, head_dim=128, kv_heads=4, mlp_hidden=7168, seq=2048, batch=16, steps=300,
+                  lr=3e-4, warmup=100, eval_every=100, eval_batches=4, log_every=10, ckpt_every=0, scan=True,
+                  corpus="site-packages", arch="llama", remat="quantized", tokenizer="bpe", vocab=32768),
+    # large-350m: the large architecture at ~0.34B parameters (d_model 1024, 24 blocks), 1000 steps of 32k tokens.
+    "large-350m": dict(d_model=1024, layers=24, head_dim=64, kv_heads=4, mlp_hidden=2816, seq=2048, batch=16,
+                       steps=1000, lr=6e-4, warmup=100, eval_every=250, eval_batches=4, log_every=25, ckpt_every=0,
+                       scan=True, corpus="site-packages", arch="llama", remat="quantized", tokenizer="bpe",
+                       vocab=32768),
 }
 CORPORA = ("stdlib", "site-packages")
-CSV_FIELDS = ("step", "recipe", "train_loss", "val_loss", "tokens_per_s", "aux_loss", "phase")
+TOKENIZERS = ("bytes", "bpe")
 MOE_EXPERTS, MOE_TOP_K, MOE_AUX_WEIGHT = 8, 2, 0.01  # --moe's defaults
 
 
@@ -99,13 +113,19 @@ class RunConfig:
     log_every: int
     ckpt_every: int
     seed: int
-    mesh: tuple[int, int] | None = None  # (data, tensor); None: one device
+    mesh: tuple[int, int, int] | None = None  # (data, fsdp, tensor); None: one device
 
     def resume_key(self) -> dict:
-        """What a checkpoint must agree on to be resumed (the rest, e.g. --steps, may change)."""
+        """What a checkpoint must agree on to be resumed (the rest, e.g. --steps or the mesh, may change). Fields
+        added since older checkpoints are left out at their defaults (dense: the moe_ fields), so those resume."""
+        default = lm_model.ModelConfig()
         model = {k: v for k, v in dataclasses.asdict(self.model).items()
-                 if self.model.moe or not k.startswith("moe_")}  # dense: as before MoE existed (old checkpoints)
+                 if (self.model.moe or not k.startswith("moe_"))
+                 and not (k in NEW_MODEL_FIELDS and v == getattr(default, k))}
         return {"model": model, "batch": self.batch, "lr": self.lr, "warmup": self.warmup, "seed": self.seed}
+
+
+NEW_MODEL_FIELDS = ("arch", "kv_heads", "mlp_hidden", "remat", "vocab")
 
 
 # ---- command line ----------------------------------------------------------------------------------------------------
@@ -133,10 +153,13 @@ def _positive_float(s):
 
 
 def _mesh_shape(s):
-    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", s)
-    if not m or min(int(m[1]), int(m[2])) < 1:
-        raise argparse.ArgumentTypeError(f"{s!r} is not DATAxTENSOR with positive sizes, e.g. 2x1, 1x2 or 2x4")
-    return int(m[1]), int(m[2])
+    """(data, fsdp, tensor) of "DATAxTENSOR" (fsdp 1) or "DATAxFSDPxTENSOR"."""
+    parts = re.split(r"\s*[xX]\s*", s.strip())
+    if len(parts) not in (2, 3) or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"{s!r} is not DATAxTENSOR or DATAxFSDPxTENSOR with positive sizes, e.g. "
+                                         "2x1, 1x2, 2x4 or 1x2x1")
+    sizes = [int(p) for p in parts]
+    return (sizes[0], 1, sizes[1]) if len(sizes) == 2 else tuple(sizes)
 
 
 def _nonnegative_float(s):
@@ -187,9 +210,21 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=_int_at_least(1), help="validation batches per evaluation")
     p.add_argument("--log-every", type=_int_at_least(1), help="a curves.csv row (train loss, tokens/s) every N steps")
     p.add_argument("--ckpt-every", type=_int_at_least(0), help="checkpoint every N steps (0: only at the end)")
-    p.add_argument("--mesh", type=_mesh_shape, metavar="DATAxTENSOR",
-                   help="shard the step over a data x tensor device mesh, e.g. 2x1 (data parallel), 1x2 (tensor "
-                        "parallel), 2x4; data x tensor must equal the device count (default: one device)")
+    p.add_argument("--arch", choices=lm_model.ARCHS, help="block kind (default: the preset's; gpt for tiny / small / "
+                                                          "medium, llama for large)")
+    p.add_argument("--heads", type=_int_at_least(1), help="attention heads (default d_model / the preset's head size)")
+    p.add_argument("--kv-heads", type=_int_at_least(1), help="llama: key / value heads (grouped-query attention)")
+    p.add_argument("--mlp-hidden", type=_int_at_least(64), help="MLP width (default 4 x d_model, or the preset's)")
+    p.add_argument("--remat", choices=lm_layers.REMAT,
+                   help="activation checkpointing per block: none, quantized (keep the quantized GEMM residuals, "
+                        "recompute the rest), full (default: the preset's)")
+    p.add_argument("--tokenizer", choices=TOKENIZERS, help="bytes (vocab 256) or bpe (a byte-level BPE trained on "
+                                                           "the corpus, cached under --out; default: the preset's)")
+    p.add_argument("--vocab", type=_int_at_least(257), help="with --tokenizer bpe: the vocabulary size")
+    p.add_argument("--mesh", type=_mesh_shape, metavar="DATAx[FSDPx]TENSOR",
+                   help="shard the step over a data x fsdp x tensor device mesh, e.g. 2x1 (data parallel), 1x2x1 "
+                        "(fsdp), 1x2 (tensor "
+                        "parallel), 2x4; the product must equal the device count (default: one device)")
     p.add_argument("--moe", type=_int_at_least(2), nargs="?", const=MOE_EXPERTS, metavar="E",
                    help=f"mixture-of-experts MLPs with E experts per block (default {MOE_EXPERTS} when given alone)")
     p.add_argument("--top-k", type=_int_at_least(1), help=f"with --moe: experts per token (default {MOE_TOP_K})")
@@ -214,16 +249,14 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     v = dict(PRESETS[args.preset])
     for k in ("steps", "batch", "seq", "d_model", "layers", "lr", "warmup", "eval_every", "eval_batches", "log_every",
-              "ckpt_every", "scan", "corpus"):
+              "ckpt_every", "scan", "corpus", "arch", "kv_heads", "mlp_hidden", "remat", "tokenizer", "vocab"):
         if getattr(args, k) is not None:
             v[k] = getattr(args, k)
     args.corpus = v.get("corpus", "stdlib")
+    args.tokenizer = v.get("tokenizer", "bytes")
+    if args.tokenizer == "bytes" and args.vocab is not None:
+        parser.error("--vocab needs --tokenizer bpe (byte tokens: 256)")
     lm_precision.check(parser, args, v["layers"])
-    if lm_precision.block_flags(args) and v["scan"]:
-        if args.scan:
-            parser.error("per-block precision flags need unscanned blocks: drop --scan")
-        v["scan"] = False  # a scanned stack has one recipe for all its blocks
-        print("note: per-block precision flags: the blocks are not scanned (--no-scan)")
     if args.stop_at is not None and args.stop_at > v["steps"]:
         parser.error(f"--stop-at {args.stop_at} is beyond --steps {v['steps']}")
     if (v["batch"] * v["seq"]) % 128:
@@ -237,18 +270,20 @@ def parse_args(argv=None):
         moe_aux_weight=MOE_AUX_WEIGHT if args.aux_weight is None else args.aux_weight)
     if moe and not moe["moe_top_k"] <= moe["moe_experts"]:
         parser.error(f"--top-k {moe['moe_top_k']} exceeds the {moe['moe_experts']} experts of --moe")
-    model = lm_model.ModelConfig(d_model=v["d_model"], n_layers=v["layers"],
-                                 n_heads=max(v["d_model"] // v["head_dim"], 1), seq=v["seq"], scan_layers=v["scan"],
-                                 **moe)
+    model = lm_model.ModelConfig(
+        d_model=v["d_model"], n_layers=v["layers"], n_heads=args.heads or max(v["d_model"] // v["head_dim"], 1),
+        seq=v["seq"], scan_layers=v["scan"], arch=v.get("arch", "gpt"), kv_heads=v.get("kv_heads", 0),
+        mlp_hidden=v.get("mlp_hidden", 0), remat=v.get("remat", "none"),
+        vocab=v.get("vocab", 32768) if args.tokenizer == "bpe" else lm_model.VOCAB, **moe)
     for problem in model.validate():
         parser.error(problem)
     if args.mesh is not None:
-        data, tensor = args.mesh
-        for problem in lm_model.mesh_problems(model, v["batch"], data, tensor):
-            parser.error(f"--mesh {data}x{tensor}: {problem}")
-        devices = jax.devices()
-        if data * tensor != len(devices):
-            parser.error(f"--mesh {data}x{tensor} needs data x tensor = {data * tensor} devices; there are "
+        shape = "x".join(map(str, args.mesh))
+        for problem in lm_mesh.mesh_problems(model, v["batch"], *args.mesh):
+            parser.error(f"--mesh {shape}: {problem}")
+        devices, n = jax.devices(), math.prod(args.mesh)
+        if n != len(devices):
+            parser.error(f"--mesh {shape} needs data x fsdp x tensor = {n} devices; there are "
                          f"{len(devices)} ({devices[0].platform}): the product must equal the device count")
     cfg = RunConfig(model=model, batch=v["batch"], steps=v["steps"], lr=v["lr"], warmup=v["warmup"],
                     eval_every=v["eval_every"], eval_batches=v["eval_batches"], log_every=v["log_every"],
@@ -282,8 +317,8 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     wall = time.perf_counter()
     run = name if run is None else run
     recipe = recipes.by_name(name)
-    mesh = lm_model.make_mesh(*cfg.mesh) if cfg.mesh is not None else None
-    for note in lm_model.mesh_notes(cfg.model, recipe, cfg.mesh[1]) if cfg.mesh is not None else []:
+    mesh = lm_mesh.make_mesh(*cfg.mesh) if cfg.mesh is not None else None
+    for note in lm_mesh.mesh_notes(cfg.model, recipe, cfg.mesh[2]) if cfg.mesh is not None else []:
         print(f"note: {note}")
     if cfg.model.moe and lm_model.expert_recipe(recipe) != recipe:
         print(f"note: {name}: the experts' token operands use 1D NVFP4 (1x16 blocks, one tensor scale per expert "
@@ -327,7 +362,8 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
             raise SystemExit(f"--resume: {ckdir} was written with {diff}; use the same preset and overrides, or "
                              "another --out")
         state, meta = lm_checkpoint.restore_checkpoint(mgr, mgr.latest_step(), state)
-        start, rows, timed = meta["step"], meta["rows"], {**timed, **meta["timed"]}
+        start, rows = meta["step"], meta["rows"]
+        timed = {**timed, **{k: v for k, v in meta["timed"].items() if not k.startswith("first")}}  # this process
         drows = meta.get("diagnostics", [])
         print(f"{run}: resumed from {ckdir} at step {start} (phase {meta.get('phase', 0)})")
     else:
@@ -363,6 +399,9 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
             if diag and not first:
                 timed["diag_seconds"] += time.perf_counter() - td
                 timed["diag_steps"] += 1
+            if first:  # compile + one step (what compile_s subtracts the step time from)
+                timed["first_seconds"] = timed.get("first_seconds", 0.0) + time.perf_counter() - td
+                timed["first_steps"] = timed.get("first_steps", 0) + 1
             t0 = time.perf_counter()
         else:
             interval += 1
@@ -404,12 +443,20 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
         last_val = evaluate(state, max(start, stop) - 1)
     step_s = timed["seconds"] / timed["steps"] if timed["steps"] else math.nan
     summary = {"recipe": run, "steps": max(start, stop), "val_loss": last_val,
-               "bits_per_byte": last_val / math.log(2), "tokens_per_s": tokens / step_s, "step_ms": 1e3 * step_s,
-               "wall_s": time.perf_counter() - wall, "seed": cfg.seed}
+               "bits_per_byte": last_val / math.log(2) / corpus.bytes_per_token, "tokens_per_s": tokens / step_s,
+               "step_ms": 1e3 * step_s, "wall_s": time.perf_counter() - wall, "seed": cfg.seed}
     peak = lm_precision.peak_flops(jax.devices()[0].device_kind)
-    n_dev = 1 if cfg.mesh is None else cfg.mesh[0] * cfg.mesh[1]
+    n_dev = 1 if cfg.mesh is None else math.prod(cfg.mesh)
     summary["mfu"] = (lm_model.flops_per_token(cfg.model) * tokens / step_s / (peak * n_dev)
                       if peak and math.isfinite(step_s) else None)
+    # compile time: the first step of each compiled program (this process) less one steady step
+    firsts = timed.get("first_steps", 0)
+    summary["compile_s"] = (timed["first_seconds"] - firsts * (step_s if math.isfinite(step_s) else 0.0)
+                            if firsts else None)
+    summary["peak_bytes_per_device"] = lm_report.peak_memory()  # None on the CPU
+    summary.update(params=lm_model.count_params(cfg.model), devices=n_dev, device_kind=jax.devices()[0].device_kind,
+                   mesh=None if cfg.mesh is None else dict(zip(lm_mesh.AXES, cfg.mesh, strict=True)),
+                   tokens_per_step=tokens, flops_per_token=lm_model.flops_per_token(cfg.model))
     if timed["diag_steps"]:
         summary["diag_step_ms"] = 1e3 * timed["diag_seconds"] / timed["diag_steps"]
     if switch is not None:
@@ -417,89 +464,6 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     if moe:  # the load-balancing loss of the last logged steps (1: balanced)
         summary["aux_loss"] = next((r["aux_loss"] for r in reversed(rows) if r.get("aux_loss") is not None), None)
     return rows, summary, drows
-
-
-# ---- outputs ---------------------------------------------------------------------------------------------------------
-def write_curves(out: Path, rows: list[dict], replaced: set[str]) -> list[dict]:
-    """Merge rows into out/curves.csv (rows of the recipes in `replaced` are dropped first); returns all rows."""
-    path = out / "curves.csv"
-    old = []
-    if path.is_file():
-        with path.open(newline="") as f:
-            old = [r for r in csv.DictReader(f) if r.get("recipe") not in replaced]
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        w.writeheader()
-        for r in old + rows:
-            w.writerow({k: ("" if r.get(k) is None else r[k]) for k in CSV_FIELDS})
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def plot_curves(out: Path, rows: list[dict], title: str):
-    """out/curves.png. Left: train loss (thin) and validation loss (markers) per recipe against the step; right: each
-    recipe's validation loss relative to bf16's at the same step (when bf16 is among the rows)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    def curve(name, key):
-        pts = [(int(r["step"]), float(r[key])) for r in rows if r["recipe"] == name and r[key] not in ("", None)]
-        return [p[0] for p in pts], [p[1] for p in pts]
-
-    names = list(dict.fromkeys(r["recipe"] for r in rows))
-    fig, (ax, gap) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=110)
-    ref = dict(zip(*curve("bf16", "val_loss"), strict=True)) if "bf16" in names else {}
-    for i, name in enumerate(names):
-        ax.plot(*curve(name, "train_loss"), color=f"C{i}", alpha=0.35, lw=1)
-        steps, val = curve(name, "val_loss")
-        ax.plot(steps, val, "o-", color=f"C{i}", ms=3, lw=1.5, label=name)
-        pts = [(s, 100 * (v / ref[s] - 1)) for s, v in zip(steps, val, strict=True) if s in ref]
-        if pts and name != "bf16":
-            gap.plot(*zip(*pts, strict=True), "o-", color=f"C{i}", ms=3, lw=1.5, label=name)
-    ax.set(xlabel="step", ylabel="loss (nats per byte)", title="validation (markers) and train (thin) loss")
-    gap.axhline(0.0, color="k", lw=0.8)
-    gap.set(xlabel="step", ylabel="validation loss vs bf16 (%)", title="gap to bf16")
-    for a in (ax, gap):
-        a.grid(alpha=0.3)
-    ax.legend()
-    if gap.lines[1:]:  # beyond the zero line
-        gap.legend()
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "curves.png")
-    plt.close(fig)
-
-
-def format_table(summaries: dict) -> str:
-    """Validation loss, bits per byte, the gap to bf16 (of the same seed), tokens/s (and its ratio to bf16's), step
-    time (compiles, evaluations, checkpoints and diagnostics steps left out), MFU, the diagnostics step's time when
-    there were some, and the wall time (everything, compiles included) of each run; with MoE runs, the last logged
-    load-balancing loss too."""
-    def ref(name):
-        seed = lm_precision.split_name(name)[1]
-        return summaries.get("bf16" if seed is None else f"bf16@s{seed}")
-
-    aux = any(s.get("aux_loss") is not None for s in summaries.values())
-    diag = any(s.get("diag_step_ms") is not None for s in summaries.values())
-    w = max([20] + [len(n) for n in summaries])
-    lines = [f"{'run':<{w}} {'steps':>6} {'val loss':>9} {'bits/byte':>9} {'vs bf16':>8} {'tokens/s':>10} "
-             f"{'x bf16':>6} {'step ms':>8} {'MFU':>6} {'wall s':>7}" + (f" {'diag ms':>8}" if diag else "")
-             + (f" {'aux':>6}" if aux else "")]
-    for name, s in summaries.items():
-        r = ref(name)
-        gap = f"{100 * (s['val_loss'] / r['val_loss'] - 1):+.2f}%" if r else "n/a"
-        tps = f"{s['tokens_per_s']:,.0f}" if math.isfinite(s["tokens_per_s"]) else "n/a"
-        speed = (f"{s['tokens_per_s'] / r['tokens_per_s']:.3f}" if r and math.isfinite(s["tokens_per_s"])
-                 and math.isfinite(r["tokens_per_s"]) else "n/a")
-        ms = f"{s['step_ms']:.1f}" if math.isfinite(s["step_ms"]) else "n/a"
-        mfu = f"{100 * s['mfu']:.1f}%" if s.get("mfu") else "n/a"
-        lines.append(f"{name:<{w}} {s['steps']:>6} {s['val_loss']:>9.4f} {s['bits_per_byte']:>9.4f} {gap:>8} "
-                     f"{tps:>10} {speed:>6} {ms:>8} {mfu:>6} {s['wall_s']:>7.1f}"
-                     + (f" {s.get('diag_step_ms') or math.nan:>8.1f}" if diag else "")
-                     + (f" {s['aux_loss']:>6.3f}" if aux and s.get("aux_loss") is not None else ""))
-    return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
@@ -510,20 +474,22 @@ def main(argv=None) -> dict:
     try:
         corpus = (lm_data.load_text_file(args.data) if args.data else
                   lm_data.load_site_packages() if args.corpus == "site-packages" else lm_data.load_stdlib())
+        args.out.mkdir(parents=True, exist_ok=True)
+        if args.tokenizer == "bpe":  # trained on this corpus, cached next to the run
+            corpus = lm_tokenizer.tokenize_corpus(corpus, cfg.model.vocab, args.out / "tokenizer")
         lm_data.check_sizes(corpus, cfg.model.seq)
     except (OSError, ValueError) as e:
         make_parser().error(str(e))
-    args.out.mkdir(parents=True, exist_ok=True)
     m = cfg.model
     print(f"data: {corpus.description}")
-    print(f"model: {lm_model.count_params(m) / 1e6:.2f}M parameters, d_model {m.d_model}, "
-          f"{m.n_layers} block{'s' * (m.n_layers > 1)}"
-          f"{' (scanned)' if m.scan_layers else ''}, {m.n_heads} heads, seq {m.seq}, batch {cfg.batch} "
-          f"({cfg.batch * m.seq} tokens/step), {cfg.steps} steps, "
+    print(f"model: {m.arch}, {lm_model.count_params(m) / 1e6:.2f}M parameters, d_model {m.d_model}, "
+          f"{m.n_layers} block{'s' * (m.n_layers > 1)}{' (scanned)' if m.scan_layers else ''}, {m.n_heads} heads"
+          f"{f' ({m.kv} kv)' if m.kv != m.n_heads else ''}, MLP {m.hidden}, vocab {m.vocab}, remat {m.remat}, "
+          f"seq {m.seq}, batch {cfg.batch} ({cfg.batch * m.seq} tokens/step), {cfg.steps} steps, "
           f"{lm_model.flops_per_token(m) * cfg.batch * m.seq / 1e12:.2f} TFLOP/step; " + (
               f"device: {jax.devices()[0]} ({jax.devices()[0].device_kind})" if cfg.mesh is None else
-              f"mesh: data {cfg.mesh[0]} x tensor {cfg.mesh[1]} over {len(jax.devices())} devices "
-              f"({jax.devices()[0].device_kind})"))
+              f"mesh: data {cfg.mesh[0]} x fsdp {cfg.mesh[1]} x tensor {cfg.mesh[2]} over {len(jax.devices())} "
+              f"devices ({jax.devices()[0].device_kind})"))
     if m.moe:
         print(f"moe: every MLP {m.moe_experts} experts, top-{m.moe_top_k} per token (bfloat16 router, dropless), "
               f"expert hidden {m.mlp_ratio * m.d_model} (GELU), load-balancing loss weight {m.moe_aux_weight:g}; "
@@ -545,20 +511,21 @@ def main(argv=None) -> dict:
             rows += r
             lm_precision.write_diagnostics(args.out, run, drows)
     runs = list(summaries)
-    all_rows = write_curves(args.out, rows, set(runs))
+    all_rows = lm_report.write_curves(args.out, rows, set(runs))
     path = args.out / "summary.json"
     merged = json.loads(path.read_text()) if path.is_file() else {}
     merged.update(summaries)
     path.write_text(json.dumps(merged, indent=1))
-    plot_curves(args.out, all_rows, f"byte-level GPT, d_model {m.d_model}, {m.n_layers} layers, seq {m.seq}, "
-                                    f"batch {cfg.batch}: {', '.join(dict.fromkeys(r['recipe'] for r in all_rows))}")
+    tokens = "byte-level" if args.tokenizer == "bytes" else f"BPE {m.vocab}"
+    lm_report.plot_curves(args.out, all_rows, f"{tokens} {m.arch}, d_model {m.d_model}, {m.n_layers} layers, seq "
+                          f"{m.seq}, batch {cfg.batch}: {', '.join(dict.fromkeys(r['recipe'] for r in all_rows))}")
     table = dict(summaries)
     for seed in args.seeds or [None]:  # the reference of the gap: bf16 of an earlier run into this --out
         ref = "bf16" if seed is None else f"bf16@s{seed}"
         if ref not in table and ref in merged:
             table = {ref: merged[ref], **table}
     print()
-    print(format_table(table))
+    print(lm_report.format_table(table))
     if args.seeds:
         gaps = lm_precision.seed_gaps(merged)
         lm_precision.write_gaps(args.out, gaps)

@@ -20,6 +20,10 @@ Llama-3-8B NVFP4 run kept the last 4 blocks in BF16; MaxText quantizes the decod
   mlp_only(recipe=BF16())                     every layer outside the MLPs in `recipe` (the MLPs keep the default)
   exclude(names, recipe=BF16())               the named layers (patterns) in `recipe`
 
+Scanned stacks: `block_segments` splits blocks 0..n-1 into the contiguous runs in which every layer gets the same
+recipe, so a scanned model keeps one stack (one `nnx.scan`, one recipe per layer) per run instead of giving up
+scanning for per-block rules; `jax_fp4.flax.policy.apply(..., stacks=...)` resolves a stack's layers as its blocks'.
+
 Applying a policy to Flax models: `jax_fp4.flax.policy` (NNX: `apply(policy, model)` sets each jax_fp4 layer's recipe
 and, with ``drop_in=True``, the ``dot_general`` of existing layers such as `nnx.Linear`; Linen: a Policy passed as the
 ``recipe`` of `jax_fp4.flax.linen` layers resolves per layer at trace time). `describe` prints the layer -> recipe
@@ -40,7 +44,7 @@ from collections.abc import Callable, Iterable
 from jax_fp4.recipes import BF16, Recipe
 
 __all__ = ["Rule", "Policy", "UnmatchedRuleError", "uniform", "first_blocks", "last_blocks", "last_fraction",
-           "mlp_only", "exclude", "path_str", "format_table", "recording"]
+           "mlp_only", "exclude", "block_segments", "path_str", "format_table", "recording"]
 
 
 class UnmatchedRuleError(ValueError):
@@ -258,3 +262,40 @@ def exclude(names: Iterable[str] | str, recipe: Recipe = None) -> Policy:
     """The layers matching each pattern of `names` in `recipe` (default BF16)."""
     names = [names] if isinstance(names, str) else list(names)
     return Policy(tuple(Rule(n, BF16() if recipe is None else recipe) for n in names))
+
+
+def _decided(policy: Policy, path: str) -> Recipe | None:
+    """The recipe `policy` gives the layer at `path` (None: it keeps its own), without recording it."""
+    rule = policy.match(path)
+    return rule.recipe if rule is not None and rule.recipe is not None else policy.default
+
+
+def block_segments(policies: Policy | Iterable[Policy], num_blocks: int, sublayers: Iterable[str], *,
+                   block: str = BLOCK) -> tuple[tuple[int, int], ...]:
+    """The contiguous runs [start, stop) of blocks 0..num_blocks-1 within which every layer gets the same recipe
+    under each of `policies` (e.g. the phases of a `jax_fp4.schedule.PrecisionSwitch`): the segments a scanned block
+    stack splits into so that each scan runs one recipe per layer. ``last_blocks(4, num_blocks=24)`` gives
+    ((0, 20), (20, 24)); a policy without per-block rules ((0, num_blocks),).
+
+    Args:
+      policies: a `Policy` or several (a run's phases: a boundary of any of them is a boundary).
+      num_blocks: the number of blocks (>= 1).
+      sublayers: the paths of the quantizable layers inside one block, relative to it ("qkv", "mlp/up", ...; "" is
+        the block itself). Rules are matched against "<block path>/<sublayer>" (and its ancestors, as always).
+      block: the path format of block i (default "blocks/{i}").
+
+    Raises:
+      ValueError: num_blocks < 1.
+    """
+    pols = (policies,) if isinstance(policies, Policy) else tuple(policies)
+    n = _count(num_blocks, "block_segments")
+    if n < 1:
+        raise ValueError("block_segments: num_blocks must be >= 1, got 0")
+    subs = list(sublayers) or [""]
+
+    def recipes_of(i: int) -> tuple:
+        base = block.format(i=i)
+        return tuple(_decided(p, f"{base}/{s}" if s else base) for p in pols for s in subs)
+
+    starts = [0] + [i for i in range(1, n) if recipes_of(i) != recipes_of(i - 1)]
+    return tuple(zip(starts, starts[1:] + [n], strict=True))

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import jax  # noqa: E402
 import lm_checkpoint  # noqa: E402
 import lm_data  # noqa: E402
+import lm_mesh  # noqa: E402
 import lm_model  # noqa: E402
 import train_lm  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -83,14 +84,16 @@ def test_recipes_start_from_the_same_parameters():
 
 
 def test_scan_layers():
-    """--scan (the small preset's default): stacked blocks under nnx.scan compute what the unrolled blocks compute
-    with the same parameters, and each layer keeps its own stochastic-rounding stream, advanced once per step."""
+    """--scan (the small preset's default): stacked blocks start from the unrolled blocks' weights and under
+    nnx.scan compute what the unrolled blocks compute, and each layer keeps its own stochastic-rounding stream,
+    advanced once per step."""
     cfg = lm_model.ModelConfig(d_model=64, n_layers=2, n_heads=2, seq=32)
     scfg = lm_model.ModelConfig(d_model=64, n_layers=2, n_heads=2, seq=32, scan_layers=True)
     unrolled, scanned = lm_model.make_model(cfg, recipes.BF16(), 0), lm_model.make_model(scfg, recipes.BF16(), 0)
     p = nnx.to_pure_dict(nnx.state(unrolled, nnx.Param))
     p["blocks"] = jax.tree.map(lambda *layers: np.stack(layers), *(p["blocks"][i] for i in range(cfg.n_layers)))
-    nnx.update(scanned, p)
+    p["stacks"] = {0: p.pop("blocks")}
+    _bits_equal_trees(nnx.to_pure_dict(nnx.state(scanned, nnx.Param)), p)  # the same initial weights
     batch = lm_data.train_batch(lm_data.Corpus(np.arange(4096, dtype=np.uint8), np.zeros(64, np.uint8), ""), 0, 4,
                                 32, seed=0)
     loss = nnx.jit(lm_model.loss_fn)
@@ -102,7 +105,7 @@ def test_scan_layers():
     model = lm_model.make_model(scfg, sr, 0)
     for _ in range(2):
         assert np.isfinite(float(loss(model, batch)))
-    streams = nnx.to_pure_dict(nnx.state(model, nnx.RngState))["blocks"]["out"]["rngs"]
+    streams = nnx.to_pure_dict(nnx.state(model, nnx.RngState))["stacks"][0]["out"]["rngs"]
     np.testing.assert_array_equal(streams["count"], [2, 2])
     k = jax.random.key_data(streams["key"])
     assert k.shape == (2, 2) and not np.array_equal(k[0], k[1])
@@ -168,12 +171,19 @@ def test_resume_equals_uninterrupted(tmp_path, capsys):
     (["--d-model", "96"], "d_model 96 must be a multiple of 64"),
     (["--lr", "-1"], "--lr: must be a positive number"),
     (["--preset", "huge"], "--preset: invalid choice"),
-    (["--mesh", "2by2"], "--mesh: '2by2' is not DATAxTENSOR"),
-    (["--mesh", "0x2"], "is not DATAxTENSOR with positive sizes"),
-    (["--mesh", "3x1"], "--mesh 3x1: --batch 8 does not split over the data axis (3)"),
-    (["--mesh", "2x1", "--batch", "2"], "64 tokens per data shard: must be a multiple of 128"),
-    (["--mesh", "1x4"], "the 2 attention heads (d_model 64 / head size 32) do not split over the tensor axis (4)"),
-    (["--mesh", "2x2"], "--mesh 2x2 needs data x tensor = 4 devices; there are 1"),  # the test process: one CPU
+    (["--mesh", "2by2"], "--mesh: '2by2' is not DATAxTENSOR or DATAxFSDPxTENSOR"),
+    (["--mesh", "0x2"], "with positive sizes"),
+    (["--mesh", "1x2x3x4"], "with positive sizes"),
+    (["--mesh", "3x1"], "--mesh 3x1x1: --batch 8 does not split over the data x fsdp axes (3 x 1)"),
+    (["--mesh", "1x3x1"], "--mesh 1x3x1: --batch 8 does not split over the data x fsdp axes (1 x 3)"),
+    (["--mesh", "2x1", "--batch", "2"], "64 tokens per batch shard: must be a multiple of 128"),
+    (["--mesh", "1x4"], "the 2 attention heads (2 key / value heads; d_model 64 / head size 32) do not split over the "
+                        "tensor axis (4)"),
+    (["--mesh", "1x4x1", "--batch", "16"], "d_model 64 does not split over the fsdp axis (4) into multiples of 32"),
+    (["--mesh", "2x2"], "--mesh 2x1x2 needs data x fsdp x tensor = 4 devices; there are 1"),  # one CPU here
+    (["--vocab", "1000"], "--vocab needs --tokenizer bpe"),
+    (["--arch", "llama", "--kv-heads", "3"], "kv_heads 3 must divide n_heads 2"),
+    (["--arch", "llama", "--mlp-hidden", "192"], "the MLP width 192 must be a multiple of 64 (llama: 128"),
     (["--moe", "1"], "--moe: must be an integer >= 2, got 1"),
     (["--moe", "four"], "--moe: 'four' is not an integer"),
     (["--top-k", "2"], "--top-k needs --moe"),
@@ -181,7 +191,8 @@ def test_resume_equals_uninterrupted(tmp_path, capsys):
     (["--moe", "--aux-weight", "-1"], "--aux-weight: must be a number >= 0, got -1"),
     (["--moe", "4", "--top-k", "5"], "--top-k 5 exceeds the 4 experts of --moe"),
     (["--moe", "--top-k", "0"], "--top-k: must be an integer >= 1, got 0"),
-    (["--moe", "--mesh", "1x2"], "--mesh 1x2: --moe supports data parallelism only (tensor 1, e.g. --mesh 2x1)"),
+    (["--moe", "--mesh", "1x2"], "--mesh 1x1x2: --moe supports data parallelism only (fsdp 1, tensor 1, e.g. "
+                                 "--mesh 2x1)"),
 ])
 def test_bad_flags(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -191,13 +202,15 @@ def test_bad_flags(capsys, argv, message):
 
 
 def test_mesh_flag():
-    """--mesh parses DATAxTENSOR; 1x1 fits the test process's one device. Sharded training: test_sharding_train.py."""
+    """--mesh parses DATAxTENSOR (fsdp 1) and DATAxFSDPxTENSOR; 1x1 fits the test process's one device. Sharded
+    training: test_sharding_train.py and test_train_lm_scale.py."""
     _, cfg, _ = train_lm.parse_args(["--mesh", "1x1"])
-    assert cfg.mesh == (1, 1) and train_lm.parse_args([])[1].mesh is None
+    assert cfg.mesh == (1, 1, 1) and train_lm.parse_args([])[1].mesh is None
+    assert train_lm.parse_args(["--mesh", "1x1x1"])[1].mesh == (1, 1, 1)
     assert "mesh" not in cfg.resume_key()  # checkpoints hold global arrays: a run may resume on another mesh
     model = lm_model.ModelConfig(d_model=64, n_layers=1, n_heads=2, seq=64)
-    assert lm_model.mesh_problems(model, 8, 2, 2) == []
-    assert lm_model.mesh_notes(model, recipes.NVFP4_1x64(), 2) and not lm_model.mesh_notes(model, recipes.MXFP8(), 2)
+    assert lm_mesh.mesh_problems(model, 8, 2, 1, 2) == [] and lm_mesh.mesh_problems(model, 8, 1, 2, 1) == []
+    assert lm_mesh.mesh_notes(model, recipes.NVFP4_1x64(), 2) and not lm_mesh.mesh_notes(model, recipes.MXFP8(), 2)
 
 
 def test_resume_without_checkpoint(tmp_path, capsys):
@@ -245,7 +258,7 @@ def test_moe_flags():
     assert (m.moe_experts, m.moe_top_k, m.moe_aux_weight) == (8, 2, 0.01)
     m = train_lm.parse_args(["--moe", "4", "--top-k", "1", "--aux-weight", "0"])[1].model
     assert (m.moe_experts, m.moe_top_k, m.moe_aux_weight) == (4, 1, 0.0)
-    assert train_lm.parse_args(["--moe", "--mesh", "1x1"])[1].mesh == (1, 1)  # data parallel: allowed
+    assert train_lm.parse_args(["--moe", "--mesh", "1x1"])[1].mesh == (1, 1, 1)  # data parallel: allowed
     dense = train_lm.parse_args([])[1]
     assert not dense.model.moe and not any(k.startswith("moe") for k in dense.resume_key()["model"])
     # nvfp4-1x64's experts: 1D NVFP4 for the grouped token operand of fprop; every other recipe unchanged
@@ -277,8 +290,9 @@ def test_moe_scan_layers():
     unrolled, scanned = lm_model.make_model(cfg, recipes.BF16(), 0), lm_model.make_model(scfg, recipes.BF16(), 0)
     p = nnx.to_pure_dict(nnx.state(unrolled, nnx.Param))
     assert p["blocks"][0]["mlp"]["up"]["kernel"].shape == (4, 64, 256)
-    p["blocks"] = jax.tree.map(lambda *layers: np.stack(layers), *(p["blocks"][i] for i in range(cfg.n_layers)))
-    nnx.update(scanned, p)
+    blocks = p.pop("blocks")
+    p["stacks"] = {0: jax.tree.map(lambda *layers: np.stack(layers), *(blocks[i] for i in range(2)))}
+    _bits_equal_trees(nnx.to_pure_dict(nnx.state(scanned, nnx.Param)), p)  # the same initial weights
     batch = lm_data.train_batch(lm_data.Corpus(np.arange(4096, dtype=np.uint8), np.zeros(64, np.uint8), ""), 0, 4,
                                 32, seed=0)
     terms = nnx.jit(lm_model.loss_terms)

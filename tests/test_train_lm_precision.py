@@ -9,8 +9,8 @@ jax_fp4.schedule.PrecisionSwitch, on the CPU.
   curves, the diagnostics rows); the checkpoint records the phase and the layer recipes; diagnostics.csv holds 6
   operands per Dense layer and per diagnostics step, and the heatmaps are written (the statistics themselves are
   tests/test_diagnostics.py's);
-* the policy flags: layer tables, run names, the blocks unscanned, bad flags and a rule matching nothing exit with a
-  message;
+* the policy flags: layer tables, run names, per-block rules on scanned blocks (segments), bad flags and a rule
+  matching nothing exit with a message;
 * seed-averaged gaps against the bf16 run of the same seed; the MFU peak table;
 * the medium preset: 85-125M parameters, its shapes validated by abstract evaluation (jax.eval_shape, no FLOPs).
 """
@@ -18,6 +18,7 @@ jax_fp4.schedule.PrecisionSwitch, on the CPU.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -37,6 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import lm_checkpoint  # noqa: E402
 import lm_data  # noqa: E402
+import lm_layers  # noqa: E402
 import lm_model  # noqa: E402
 import lm_precision  # noqa: E402
 import train_lm  # noqa: E402
@@ -137,12 +139,12 @@ def test_switch_resume_equals_uninterrupted(tmp_path, capsys):
 def test_policy_flags(capsys):
     args, cfg, names = train_lm.parse_args(["--layers", "3", "--bf16-last", "1", "--exclude", "*/out",
                                             "--policy-mlp-only", "--preset", "small"])
-    assert not cfg.model.scan_layers and "--no-scan" in capsys.readouterr().out  # the small preset scans; not now
+    assert cfg.model.scan_layers  # the small preset scans; per-block rules split the stack into segments
     assert lm_precision.run_name("nvfp4", args) == "nvfp4+excl-_out+bf16-last1+mlp-only"
     assert lm_precision.run_name("bf16", args) == "bf16" and lm_precision.run_name("bf16", args, 2) == "bf16@s2"
     pol = lm_precision.make_policy(args, NV, 3)
     assert [r.pattern for r in pol.rules] == ["*/out", "blocks/2", "*/mlp", "*"] and pol.default == NV
-    model = lm_model.make_model(cfg.model, NV, 0)
+    model = lm_model.make_model(dataclasses.replace(cfg.model, scan_layers=False), NV, 0)
     table = {ln.split()[0]: ln.split()[1] for ln in FP.describe(pol, model).splitlines()[2:]}
     assert table["blocks/0/mlp/up"] == NV.name and table["blocks/2/mlp/up"] == "bf16"
     assert table["blocks/0/qkv/dense"] == "bf16" and table["blocks/1/out"] == "bf16"
@@ -157,7 +159,6 @@ def test_policy_flags(capsys):
     (["--bf16-last-fraction", "2"], "--bf16-last-fraction: must be a fraction in [0, 1]"),
     (["--exclude", "re:("], "--exclude: Rule: bad regular expression"),
     (["--stop-at", "100"], "--stop-at 100 is beyond --steps 80"),
-    (["--bf16-last", "1", "--scan"], "per-block precision flags need unscanned blocks"),
     (["--recipes", "bf16,fp2"], "unknown recipe(s) ['fp2']"),
     (["--seeds", "1", "1"], "--seeds [1, 1]: repeated seeds"),
 ])
@@ -196,7 +197,7 @@ def test_medium_preset_shapes():
     batch = jax.ShapeDtypeStruct((cfg.batch, m.seq + 1), jnp.uint8)
     loss = jax.eval_shape(lambda mdl, b: lm_model.loss_fn(mdl, b), model, batch)
     assert loss.shape == () and loss.dtype == jnp.float32
-    assert lm_model.attention_implementation() is None  # the CPU: XLA's attention; "cudnn" on a GPU backend
+    assert lm_layers.attention_implementation() is None  # the CPU: XLA's attention; "cudnn" on a GPU backend
 
 
 def test_embedding_is_the_one_hot_product():

@@ -1,8 +1,10 @@
 """Applying a `jax_fp4.policy.Policy` to Flax models (NNX and Linen).
 
 NNX (`apply`, `assignments`, `describe`): the layers are found with `nnx.iter_graph`; their path is the "/"-joined
-attribute path ("blocks/3/mlp/up"; scanned / vmapped stacks have one path for the whole stack, "blocks/mlp/up", so
-per-block rules need unstacked blocks). Quantizable layers:
+attribute path ("blocks/3/mlp/up"). A scanned / vmapped stack has one path for all its blocks ("stacks/0/mlp/up"):
+``stacks={"stacks/0": ("blocks/0", "blocks/1"), ...}`` says which blocks each stack holds, and its layers then
+resolve as those blocks' layers ("blocks/0/mlp/up", "blocks/1/mlp/up"), which must agree
+(`jax_fp4.policy.block_segments` gives the runs of blocks that do). Quantizable layers:
   * jax_fp4 layers with a recipe: `jax_fp4.flax.nnx.Dense` (also inside LayerNormDense / LayerNormMLP) and
     `jax_fp4.flax.moe.MoEMLP`; `apply` sets their ``recipe`` (a static attribute: the module definition changes, the
     state does not, so `nnx.split` gives a new graphdef and the same state);
@@ -27,6 +29,7 @@ import math
 import jax
 from flax import nnx
 
+from jax_fp4.blocking import layer_note
 from jax_fp4.flax import make_dot_general
 from jax_fp4.flax.moe import MoEMLP, group_alignment
 from jax_fp4.flax.nnx import Dense
@@ -34,7 +37,7 @@ from jax_fp4.flax.nnx_layers import quantize_stream
 from jax_fp4.policy import Policy, format_table, path_str, recording
 from jax_fp4.recipes import Recipe
 
-__all__ = ["apply", "assignments", "describe", "layers", "PolicyDotGeneral", "linen_dot_general",
+__all__ = ["apply", "assignments", "describe", "layers", "policy_paths", "PolicyDotGeneral", "linen_dot_general",
            "linen_module_paths", "describe_linen"]
 
 
@@ -73,28 +76,53 @@ def layers(model, *, drop_in: bool = False) -> dict[str, nnx.Module]:
     return found
 
 
-def assignments(policy: Policy, model, *, drop_in: bool = False, check: bool = True) -> dict[str, Recipe | None]:
+def policy_paths(path: str, stacks=None) -> list[str]:
+    """The paths the rules see for the layer at `path`: [path], or for a layer inside a stack of `stacks` ({stack
+    path: block paths}, the longest matching stack path wins) the same layer in each of the stack's blocks."""
+    for prefix in sorted(stacks or {}, key=len, reverse=True):
+        if path == prefix or path.startswith(prefix + "/"):
+            return [b + path[len(prefix):] for b in stacks[prefix]]
+    return [path]
+
+
+def _resolve_stacked(policy: Policy, path: str, names: list[str], current):
+    found = {policy.resolve(q, current) for q in names}
+    if len(found) > 1:
+        raise ValueError(f"policy: the stacked layer {path!r} holds {', '.join(names)}, which the policy gives "
+                         f"different recipes ({', '.join(sorted(r.name for r in found))}); split the stack where "
+                         "jax_fp4.policy.block_segments says")
+    return found.pop()
+
+
+def assignments(policy: Policy, model, *, drop_in: bool = False, check: bool = True,
+                stacks=None) -> dict[str, Recipe | None]:
     """{path: recipe} that `apply` would set (None: a drop-in layer left unchanged: no rule and no default reaches it).
 
+    stacks: {stack path: block paths} of the model's scanned stacks (see the module docstring); None: none.
+
     Raises:
-      UnmatchedRuleError (check=True): a rule matches no quantizable layer.
+      UnmatchedRuleError (check=True): a rule matches no quantizable layer (stacked layers count as their blocks').
+      ValueError: a stacked layer's blocks get different recipes.
     """
     found = layers(model, drop_in=drop_in)
+    names = {p: policy_paths(p, stacks) for p in found}
     if check:
-        policy.check(found, "the model" + ("" if drop_in else " (layers with a dot_general count with drop_in=True)"))
+        policy.check([q for qs in names.values() for q in qs],
+                     "the model" + ("" if drop_in else " (layers with a dot_general count with drop_in=True)"))
     out = {}
     for p, node in found.items():
         if _is_fp4_layer(node):
-            out[p] = policy.resolve(p, node.recipe)
+            out[p] = _resolve_stacked(policy, p, names[p], node.recipe)
         else:
-            rule = policy.match(p)
-            reached = (rule is not None and rule.recipe is not None) or policy.default is not None
-            out[p] = policy.resolve(p, _current(node)) if reached or _current(node) is not None else None
+            rules = [policy.match(q) for q in names[p]]
+            reached = any(r is not None and r.recipe is not None for r in rules) or policy.default is not None
+            out[p] = (_resolve_stacked(policy, p, names[p], _current(node)) if reached or _current(node) is not None
+                      else None)
     return out
 
 
 def apply(policy: Policy, model, *, drop_in: bool = False, rngs: nnx.Rngs | None = None,
-          check: bool = True) -> dict[str, Recipe | None]:
+          check: bool = True, stacks=None) -> dict[str, Recipe | None]:
     """Set every quantizable layer's recipe as `policy` says (in place); returns `assignments`.
 
     Args:
@@ -104,13 +132,14 @@ def apply(policy: Policy, model, *, drop_in: bool = False, rngs: nnx.Rngs | None
       rngs: seeds a stochastic-rounding stream (``rngs[layer.rng_collection]``) for a jax_fp4 layer whose new recipe
         needs a key and that has none (built with a deterministic recipe). The state then gains that stream.
       check: raise for a rule that matches no layer.
+      stacks: {stack path: block paths} of the model's scanned stacks (see the module docstring).
 
     Raises:
-      UnmatchedRuleError: see `assignments`.
+      UnmatchedRuleError: see `assignments`; ValueError: a stacked layer's blocks get different recipes.
       ValueError: a layer's new recipe needs a stochastic-rounding key, the layer has no stream and `rngs` is None
         (or the layer is a scanned / vmapped stack, whose stream must be stacked: build it with such a recipe).
     """
-    out = assignments(policy, model, drop_in=drop_in, check=check)
+    out = assignments(policy, model, drop_in=drop_in, check=check, stacks=stacks)
     found = layers(model, drop_in=drop_in)
     for p, recipe in out.items():
         node = found[p]
@@ -137,8 +166,8 @@ def apply(policy: Policy, model, *, drop_in: bool = False, rngs: nnx.Rngs | None
     return out
 
 
-def _rule_name(policy: Policy, path: str, recipe) -> str:
-    rule = policy.match(path)
+def _rule_name(policy: Policy, path: str, recipe, stacks=None) -> str:
+    rule = policy.match(policy_paths(path, stacks)[0])
     if rule is not None:
         return repr(rule.pattern)
     if recipe is None:
@@ -146,10 +175,24 @@ def _rule_name(policy: Policy, path: str, recipe) -> str:
     return "default" if policy.default is not None else "(own recipe)"
 
 
-def describe(policy: Policy, model, *, drop_in: bool = False, check: bool = True) -> str:
-    """The layer -> recipe table of `policy` on an NNX model (and the rule that decided each layer)."""
-    out = assignments(policy, model, drop_in=drop_in, check=check)
-    return format_table((p, "-" if r is None else r.name, _rule_name(policy, p, r)) for p, r in out.items())
+def describe(policy: Policy, model, *, drop_in: bool = False, check: bool = True, stacks=None) -> str:
+    """The layer -> recipe table of `policy` on an NNX model (and the rule that decided each layer; a stacked
+    layer's: that of its first block)."""
+    out = assignments(policy, model, drop_in=drop_in, check=check, stacks=stacks)
+    found = layers(model, drop_in=drop_in)
+    return format_table((p, "-" if r is None else r.name, _rule_name(policy, p, r, stacks) + _block_note(found[p], r))
+                        for p, r in out.items())
+
+
+def _block_note(node, recipe) -> str:
+    """"  ! ..." when the layer's kernel [K, N] cannot be blocked by its recipe, or by any recipe
+    (`jax_fp4.blocking.layer_note`); "" otherwise, or when the layer does not say its K and N."""
+    k, n = getattr(node, "in_features", None), getattr(node, "out_features", None)
+    if not isinstance(k, (int, tuple, list)) or not isinstance(n, (int, tuple, list)):
+        return ""
+    K, N = (math.prod(v) if isinstance(v, (tuple, list)) else v for v in (k, n))
+    note = layer_note(recipe if recipe is not None else _current(node), K, N)
+    return f"  ! {note}" if note else ""
 
 
 # ---- Linen -----------------------------------------------------------------------------------------------------------

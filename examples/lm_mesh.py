@@ -1,0 +1,101 @@
+"""Device meshes of train_lm.py: axes ("data", "fsdp", "tensor"), the parameter and batch shardings, and the checks.
+
+  * "data": the batch is split over it; parameters and optimizer state are replicated over it.
+  * "fsdp": the batch is split over it too, and every matrix (GEMM kernels, embedding, logits head) is split over it
+    along the axis tensor parallelism leaves whole (ZeRO-3 / FSDP: each device keeps 1/fsdp of the parameters and of
+    the AdamW moments, `nnx.Optimizer` inheriting the parameters' annotations). XLA's SPMD partitioner gathers a
+    weight where a layer uses it and reduce-scatters its gradient; `param_axes` is the one place that decides the
+    layout, so a library FSDP API (e.g. quantized weight gathers) plugs in there.
+  * "tensor": Megatron tensor parallelism (column-split qkv / MLP-up, row-split attention output / MLP-down, heads).
+Norm scales and biases (small) are replicated over "fsdp". An axis of size 1 is left out of every annotation.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+DATA, FSDP, TENSOR = "data", "fsdp", "tensor"  # mesh axis names
+AXES = (DATA, FSDP, TENSOR)
+BATCH = (DATA, FSDP)  # the axes the token batch is split over
+
+
+def make_mesh(data: int, fsdp: int, tensor: int):
+    """A (data, fsdp, tensor) `jax.sharding.Mesh` over the first data * fsdp * tensor devices (Auto axes: XLA
+    propagates the annotations; jax.make_mesh's device order suits the interconnect)."""
+    auto = (jax.sharding.AxisType.Auto,) * 3
+    return jax.make_mesh((data, fsdp, tensor), AXES, axis_types=auto, devices=jax.devices()[:data * fsdp * tensor])
+
+
+def _used(mesh, axis):
+    return axis if mesh is not None and mesh.shape.get(axis, 1) > 1 else None
+
+
+def param_axes(kind: str, mesh) -> tuple:
+    """The mesh axes of a parameter's dimensions: kind "col" (a kernel [in, out] split by columns over "tensor":
+    qkv, MLP-up), "row" ([in, out] split by rows: attention output, MLP-down), "embed" ([vocab, d]), "head"
+    ([d, vocab]), "colvec" (the bias of a column-split kernel). The "fsdp" axis takes the dimension "tensor" leaves
+    whole. Norm scales and other biases stay unannotated (replicated)."""
+    fsdp = _used(mesh, FSDP)
+    return {"col": (fsdp, TENSOR), "row": (TENSOR, fsdp), "embed": (fsdp, None), "head": (fsdp, None),
+            "colvec": (TENSOR,)}[kind]
+
+
+def batch_sharding(mesh):
+    """The sharding of a token batch [B, T + 1]: B split over "data" and "fsdp"."""
+    return NamedSharding(mesh, P(BATCH, None))
+
+
+def heads_sharding(mesh):
+    """The sharding of q / k / v [B, T, heads, head_dim]: B over the batch axes, the heads over "tensor"."""
+    return NamedSharding(mesh, P(BATCH, None, TENSOR, None))
+
+
+def mesh_problems(cfg, batch: int, data: int, fsdp: int, tensor: int) -> list[str]:
+    """Why a (data, fsdp, tensor) mesh does not suit this model and batch (empty when it does): the batch splits
+    over data x fsdp and every shard keeps whole 128-token blocks; the heads (and kv heads) split over "tensor" in
+    slices of whole 32-element MXFP8 blocks; every fsdp-split dimension (d_model, the MLP width, the vocabulary)
+    splits into whole 32-element blocks (NVFP4 1x64 windows of 64 may straddle shards: see `mesh_notes`)."""
+    errs = []
+    shards = data * fsdp
+    if batch % shards:
+        errs.append(f"--batch {batch} does not split over the data x fsdp axes ({data} x {fsdp})")
+    elif (batch // shards * cfg.seq) % 128:
+        errs.append(f"{batch // shards} sequences x seq {cfg.seq} = {batch // shards * cfg.seq} tokens per batch "
+                    "shard: must be a multiple of 128 (the quantized GEMMs' blocks along the token axis must not "
+                    "straddle shards)")
+    if cfg.n_heads % tensor or cfg.kv % tensor:
+        errs.append(f"the {cfg.n_heads} attention heads ({cfg.kv} key / value heads; d_model {cfg.d_model} / head "
+                    f"size {cfg.head_dim}) do not split over the tensor axis ({tensor})")
+    elif (cfg.d_model // tensor) % 32:
+        errs.append(f"d_model {cfg.d_model} / tensor {tensor} = {cfg.d_model // tensor} features per shard: must be a "
+                    "multiple of 32 (MXFP8 blocks must not straddle shards)")
+    for name, n in (("d_model", cfg.d_model), ("the MLP width", cfg.hidden), ("the vocabulary", cfg.vocab)):
+        if fsdp > 1 and (n % fsdp or (n // fsdp) % 32):
+            errs.append(f"{name} {n} does not split over the fsdp axis ({fsdp}) into multiples of 32 (the MXFP8 "
+                        "blocks of a weight must not straddle shards)")
+    if cfg.moe and (tensor > 1 or fsdp > 1):
+        errs.append(f"--moe supports data parallelism only (fsdp 1, tensor 1, e.g. --mesh {data * fsdp * tensor}x1): "
+                    "the experts are replicated, neither expert parallelism nor a split of the experts is implemented")
+    return errs
+
+
+def mesh_notes(cfg, recipe, tensor: int) -> list[str]:
+    """Tensor-split widths that the recipe's quantize must gather on this mesh (correct results, an all-gather per
+    use): NVFP4 1x64 windows of 64 that would straddle shards."""
+    local_1x64 = any(getattr(f, "local_1x64", False) for f in recipe.formats())
+    widths = {"the attention output's input features": cfg.n_heads * cfg.head_dim // tensor,
+              "the qkv kernel's columns": (cfg.n_heads + 2 * cfg.kv) * cfg.head_dim // tensor,
+              "the MLP's hidden features": cfg.hidden // tensor}
+    split = [f"{name} ({n} per shard)" for name, n in widths.items() if n % 64]
+    if local_1x64 and tensor > 1 and split:
+        return [f"{recipe.name}: quantize gathers {', '.join(split)}: not a multiple of the 64-element 1x64 windows"]
+    return []
+
+
+def state_shardings(state, mesh):
+    """NamedShardings of an nnx state from its variables' annotations (unannotated: replicated)."""
+    from flax import nnx
+
+    return nnx.get_named_sharding(state, mesh)
