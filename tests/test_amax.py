@@ -259,7 +259,7 @@ def test_ffi_module_consistent():
 
 
 def test_missing_extension_warns_once(tmp_path):
-    """Without the extension the package still works and warns exactly once (ReferenceOnlyWarning)."""
+    """Without the extensions the package still works and warns exactly once (ReferenceOnlyWarning)."""
     import jax_fp4
 
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(jax_fp4.__file__)))
@@ -267,6 +267,7 @@ def test_missing_extension_warns_once(tmp_path):
         """
         import sys, warnings
         sys.modules["jax_fp4._jax_fp4_cuda"] = None  # makes `import jax_fp4._jax_fp4_cuda` raise ImportError
+        sys.modules["jax_fp4._jax_fp4_cpu"] = None  # (a CPU-only install with its CPU kernels imports silently)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             import jax_fp4._src.ffi as ffi

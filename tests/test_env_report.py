@@ -17,7 +17,7 @@ import pytest
 
 import jax_fp4
 from jax_fp4 import env
-from jax_fp4 import gemm as gemm_module
+from jax_fp4 import route as route_module
 from jax_fp4._src import ffi
 from jax_fp4.recipes import RECIPES
 
@@ -54,7 +54,7 @@ def test_env_report_on_the_cpu():
     assert r["cpu_kernels"]["built"] == bool(getattr(ffi, "HAS_CPU_KERNELS", False))
     assert r["device"]["platform"] == "cpu" and r["device"]["compute_capability"] is None
     assert r["kernels"] == ("CPU kernels" if r["cpu_kernels"]["built"] else "reference")
-    assert r["native_gemm"] == {"auto": False, "on_request": gemm_module.scaled_matmul_lowers()}
+    assert r["native_gemm"] == {"auto": False, "on_request": route_module.scaled_matmul_lowers()}
     assert set(r["recipes"]) == set(RECIPES)
     assert r["recipes"]["bf16"] == {"fprop": "bf16", "dgrad": "bf16", "wgrad": "bf16"}
     for name in set(RECIPES) - {"bf16"}:
@@ -67,9 +67,9 @@ def test_env_report_on_the_cpu():
 
 
 def test_env_report_routes_on_compute_capability_10(monkeypatch):
-    """The report reads the routes from gemm.gemm_route: with block-scaled tensor cores, MXFP8 GEMMs and NVFP4 1D x 1D
+    """The report reads the routes from jax_fp4.route: with block-scaled tensor cores, MXFP8 GEMMs and NVFP4 1D x 1D
     go native; 2D weights, RHT and 1x64 stay emulated."""
-    monkeypatch.setattr(gemm_module, "native_gemm_available", lambda: True)
+    monkeypatch.setattr(route_module, "native_gemm_available", lambda: True)
     routes = env.env_report()["recipes"]
     assert routes["mxfp8"] == {"fprop": "native", "dgrad": "native", "wgrad": "native"}
     assert routes["nvfp4"] == {"fprop": "emulated", "dgrad": "emulated", "wgrad": "emulated"}  # 2D w, RHT wgrad
@@ -87,8 +87,9 @@ def test_cuda_extension_entry(monkeypatch, built):
     monkeypatch.setattr(ffi, "extension", lambda: Ext() if built else None)
     entry = env.env_report()["cuda_extension"]
     if built:
-        assert entry == {"built": True, "architectures": ["sm_90a", "sm_100a", "compute_90"],
-                         "cuda_compiler": "13.0.88", "error": None}
+        assert {k: entry[k] for k in ("built", "state", "architectures", "cuda_compiler", "error", "fix")} == {
+            "built": True, "state": "loaded", "architectures": ["sm_90a", "sm_100a", "compute_90"],
+            "cuda_compiler": "13.0.88", "error": None, "fix": None}
         assert "CUDA extension: built for sm_90a, sm_100a, compute_90 (nvcc 13.0.88)" in env.format_env_report()
     else:
         assert not entry["built"] and "CUDA extension: not built" in env.format_env_report()
@@ -101,3 +102,69 @@ def test_python_m_jax_fp4():
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0].startswith(f"jax_fp4 {jax_fp4.__version__} ")
     assert "GEMM route per recipe" in out.stdout
+
+
+_LOADED = {"state": "loaded", "file": "x.so", "error": None, "fix": None}
+_ABSENT = {"state": "absent", "file": None, "error": "No module named 'jax_fp4._jax_fp4_cuda'", "fix": None}
+_GLIBC = "ImportError: /lib/x86_64-linux-gnu/libc.so.6: version `GLIBC_2.38' not found (required by _jax_fp4_cuda.so)"
+
+
+def _failed(error=_GLIBC):
+    return {"state": "failed", "file": "/site/jax_fp4/_jax_fp4_cuda.so", "error": error, "fix": ffi.load_fix(error)}
+
+
+def test_startup_warning_matches_what_is_missing():
+    """Importing warns only where something fixable is missing: a CPU-only install with its CPU kernels is silent; a
+    jax CUDA plugin without the CUDA extension names nvcc / JAX_FP4_CUDA; a file that fails to load gives its error
+    and fix; a source checkout gives the -P remedy."""
+    sw = ffi.startup_warning
+    assert sw(_ABSENT, _LOADED, cuda_plugin=False, in_source_tree=False) is None
+    assert sw(_LOADED, _LOADED, cuda_plugin=True, in_source_tree=False) is None
+    gpu = sw(_ABSENT, _LOADED, cuda_plugin=True, in_source_tree=False)
+    assert "nvcc" in gpu and "JAX_FP4_CUDA=ON" in gpu and "GPU" in gpu
+    bad = sw(_failed(), _LOADED, cuda_plugin=False, in_source_tree=False)
+    assert "GLIBC_2.38" in bad and "does not load" in bad and "manylinux" in bad and "nvcc" not in bad
+    src = sw(_ABSENT, _ABSENT, cuda_plugin=False, in_source_tree=True)
+    assert "source tree" in src and "-P" in src and "nvcc" not in src
+    assert "reinstall" in sw(_ABSENT, _ABSENT, cuda_plugin=False, in_source_tree=False).lower()
+    assert sw(_ABSENT, _failed("ImportError: undefined symbol: _ZN3xla3ffi"), cuda_plugin=False,
+              in_source_tree=False).count("undefined symbol") == 1
+
+
+def test_load_fix_by_error():
+    assert "manylinux" in ffi.load_fix(_GLIBC) and "pip install --force-reinstall" in ffi.load_fix(_GLIBC)
+    assert "jax" in ffi.load_fix("undefined symbol: XLA_FFI_Foo")
+    assert "missing" in ffi.load_fix("libfoo.so: cannot open shared object file")
+
+
+def test_this_install_imports_silently_when_nothing_is_missing():
+    """The import-time warning of this process is the one `startup_warning` gives for its load states."""
+    expected = ffi.startup_warning(ffi.load_state("cuda"), ffi.load_state("cpu"),
+                                   cuda_plugin=ffi._cuda_plugin_installed(), in_source_tree=ffi.source_tree())
+    assert ffi._WARNING == expected
+    if ffi.HAS_CPU_KERNELS and not ffi._cuda_plugin_installed():
+        assert ffi._WARNING is None
+
+
+def test_report_gives_a_failed_load_and_its_fix(monkeypatch):
+    monkeypatch.setattr(ffi, "extension", lambda: None)
+    monkeypatch.setitem(ffi._STATES, "cuda", _failed())
+    r = env.env_report()
+    assert r["cuda_extension"]["state"] == "failed" and "GLIBC_2.38" in r["cuda_extension"]["error"]
+    line = next(ln for ln in env.format_env_report(r).splitlines() if ln.startswith("CUDA extension:"))
+    assert "FAILED TO LOAD" in line and "GLIBC_2.38" in line and "manylinux" in line and "not built" not in line
+
+
+def test_report_says_when_it_reads_a_source_tree(monkeypatch, tmp_path):
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "cpp").mkdir()
+    monkeypatch.setattr(ffi, "_PKG_DIR", str(tmp_path / "jax_fp4"))
+    monkeypatch.setitem(ffi._STATES, "cpu", _ABSENT)
+    monkeypatch.setitem(ffi._STATES, "cuda", _ABSENT)
+    assert ffi.source_tree()
+    r = env.env_report()
+    assert r["package"]["source_tree"]
+    text = env.format_env_report(r)
+    assert "SOURCE TREE" in text and "python -P -m jax_fp4" in text
+    monkeypatch.setitem(ffi._STATES, "cpu", _LOADED)  # an editable install: the extensions load
+    assert not ffi.source_tree() and not env.env_report()["package"]["source_tree"]

@@ -16,7 +16,8 @@
 # The manylinux tag is the lowest policy auditwheel finds the extension compatible with on this host (it depends on
 # the glibc / libstdc++ symbol versions the host toolchain emits; build on an older glibc for a lower tag). The
 # repaired wheel must need neither libcudart (static) nor libcuda (the runtime opens the driver at run time); the
-# script checks both with `auditwheel show` and readelf and fails otherwise. Wheels land in OUT_DIR; the intermediate
+# script checks both with `auditwheel show` and readelf and fails otherwise, and refuses (deletes) a wheel whose shared
+# objects need a newer GLIBC_x.y symbol version than its manylinux tag promises (tools/check_wheel_glibc.py). Wheels land in OUT_DIR; the intermediate
 # unrepaired wheels and build trees are kept in OUT_DIR/.build.
 set -euo pipefail
 
@@ -68,6 +69,12 @@ for py in "${PYTHONS[@]}"; do
   auditwheel repair --wheel-dir "$OUT" "$raw"
   fixed="$(ls -t "$OUT/"jax_fp4-*-"$tag"-"$tag"-manylinux*_x86_64.whl | head -1)"
   auditwheel show "$fixed"
+  # The tag is a promise: every shared object must need no glibc symbol version newer than it (a wheel that does
+  # installs on an older system and then loads no extension). Refused wheels are deleted.
+  if ! "${PYTHONS[0]}" "$SRC/tools/check_wheel_glibc.py" "$fixed"; then
+    rm -f "$fixed"
+    exit 1
+  fi
   # The extensions must not need the CUDA runtime or driver libraries at load time (nor carry grafted copies).
   tmp="$(mktemp -d)"
   "$TOOLS/bin/python" -m zipfile -e "$fixed" "$tmp"
