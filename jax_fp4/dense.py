@@ -27,6 +27,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_fp4 import gemm as _gemm_module
+from jax_fp4 import blocking as _blocking
 from jax_fp4._src.vjp_util import dtype_tag, operand_keys, reverse_mode_only
 from jax_fp4.formats import NVFP4
 from jax_fp4.gemm import (
@@ -120,6 +121,7 @@ def _forward(recipe, implementation, x2, w, bias, key):
     one column of w, so the padding changes no other row's or column's codes, scales or window amax.
     """
     M, N = x2.shape[0], w.shape[1]
+    _blocking.check(recipe, M, x2.shape[1], N, differentiated=False)  # names the operand, dimension and fixes
     pm, pn = _window_pad(recipe.fprop_x, M), _window_pad(recipe.fprop_w, N)
     if pm or pn:
         x2, w = jnp.pad(x2, ((0, pm), (0, 0))), jnp.pad(w, ((0, 0), (0, pn)))
@@ -138,6 +140,7 @@ def _dense(recipe, implementation, x2, w, bias, key):
 
 
 def _dense_fwd(recipe, implementation, x2, w, bias, key):
+    _blocking.check(recipe, x2.shape[0], x2.shape[1], w.shape[1], differentiated=True)
     kx, kw, kdy = operand_keys(key)  # (the fprop key was checked by `dense`; dY's by the backward)
     routes = gemm_routes(recipe, implementation)
     ex = routes["fprop"] == "emulated"
@@ -204,9 +207,11 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, implementation: str
       float32 and add the bias in float32 before the one cast; BF16 adds it after, as flax's Linear does).
 
     Raises:
-      ValueError: shapes that do not line up, a missing key, or shapes the recipe's formats cannot block (e.g.
-      MXFP8 wgrad needs M % 32 == 0 when differentiated, NVFP4 needs K and N % 16 == 0; the message names the shape
-      and format).
+      ValueError: shapes that do not line up, a missing key, or shapes the recipe's formats cannot block
+      (`jax_fp4.blocking.BlockingError`, e.g. MXFP8 wgrad needs M % 32 == 0 when differentiated, NVFP4 needs K and
+      N % 16 == 0: the message names each GEMM operand role (fprop x / w, dgrad dy / w, wgrad x / dy), the
+      dimension, and the fixes: padding, the recipes that do block the sizes, a policy rule; the Flax layers add
+      their module path).
       TypeError: a recipe that is neither a Recipe nor a known name; forward-mode differentiation.
     """
     recipe = resolve(recipe, "dense")

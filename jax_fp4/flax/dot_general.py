@@ -20,7 +20,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_fp4.dense import canonical_dimension_numbers
+from jax_fp4.blocking import BlockingError
 from jax_fp4.dense import dot_general as _fp4_dot_general
+from jax_fp4.flax.layer_path import calling_layer_path
 from jax_fp4.recipes import resolve
 
 __all__ = ["make_dot_general", "UnquantizedDotGeneralWarning"]
@@ -136,7 +138,10 @@ def make_dot_general(recipe, key=None, *, strict: bool = False, rng_collection: 
         if out_sharding is not None or kwargs:
             raise NotImplementedError(f"make_dot_general({recipe.name}): out_sharding / {sorted(kwargs)} are not "
                                       "supported on the quantized path")
-        y = _fp4_dot_general(lhs, rhs, dn, recipe=recipe, key=call_key(key))
+        try:
+            y = _fp4_dot_general(lhs, rhs, dn, recipe=recipe, key=call_key(key))
+        except BlockingError as e:  # name the calling layer's module path
+            raise e.with_layer(calling_layer_path()) from None
         return y if preferred_element_type is None else y.astype(preferred_element_type)
 
     dot_general.recipe = recipe

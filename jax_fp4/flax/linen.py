@@ -22,7 +22,9 @@ import jax.numpy as jnp
 from flax.errors import InvalidRngError
 from flax.linen.dtypes import promote_dtype
 
+from jax_fp4.blocking import BlockingError
 from jax_fp4.dense import dense
+from jax_fp4.flax.layer_path import linen_path
 from jax_fp4.policy import Policy
 from jax_fp4.recipes import Recipe, resolve
 
@@ -90,7 +92,10 @@ class Dense(nn.Module):
                     raise ValueError(f"jax_fp4.flax.linen.Dense: recipe {recipe.name!r} rounds an fprop operand "
                                      f"stochastically; pass rngs={{{self.rng_collection!r}: key}} to apply") from e
                 # forward-only calls need no key; a differentiated call raises in jax_fp4.dense, naming the key
-        return dense(inputs, kernel, bias, recipe=recipe, key=key)
+        try:
+            return dense(inputs, kernel, bias, recipe=recipe, key=key)
+        except BlockingError as e:  # name the layer's module path
+            raise e.with_layer(linen_path(self)) from None
 
 
 class LayerNormDense(nn.Module):

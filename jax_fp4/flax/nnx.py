@@ -31,7 +31,9 @@ from flax import nnx
 from flax.nnx.nn import dtypes, initializers
 
 from jax_fp4 import diagnostics as _diagnostics
+from jax_fp4.blocking import BlockingError
 from jax_fp4.dense import dense
+from jax_fp4.flax.layer_path import nnx_path
 from jax_fp4.flax.nnx_layers import NORMS as NORMS  # the norm kinds the layers accept
 from jax_fp4.flax.nnx_layers import RngsLike, check_recipe, make_norm, quantize_key, quantize_stream, split_rngs
 from jax_fp4.recipes import Recipe
@@ -110,10 +112,13 @@ class Dense(nnx.Module):
         bias = self.bias[...] if self.bias is not None else None
         x, kernel, bias = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
         probe = getattr(self, "quant_probe", None)  # set by jax_fp4.flax.diagnostics.instrument
-        if probe is not None:
-            return _diagnostics.dense(x, kernel, bias, recipe=self.recipe, key=quantize_key(self, rngs),
-                                      probe=probe[...])
-        return dense(x, kernel, bias, recipe=self.recipe, key=quantize_key(self, rngs))
+        try:
+            if probe is not None:
+                return _diagnostics.dense(x, kernel, bias, recipe=self.recipe, key=quantize_key(self, rngs),
+                                          probe=probe[...])
+            return dense(x, kernel, bias, recipe=self.recipe, key=quantize_key(self, rngs))
+        except BlockingError as e:  # name the layer's module path in the model
+            raise e.with_layer(nnx_path(self) or type(self).__name__) from None
 
 
 class LayerNormDense(nnx.Module):
