@@ -29,11 +29,13 @@ from jax.ad_checkpoint import checkpoint_name
 from jax_fp4 import gemm as _gemm_module
 from jax_fp4 import blocking as _blocking
 from jax_fp4._src.vjp_util import dtype_tag, operand_keys, reverse_mode_only
+from jax_fp4.distributed import fsdp_axes, gather_quantized, reduced_product, reduces_in_output_dtype
 from jax_fp4.formats import NVFP4
 from jax_fp4.gemm import (
     ExactOperand,
     canonical_dimension_numbers,
     exact_dot_general,
+    exact_operand,
     scaled_dot_general,
 )
 from jax_fp4.quantize import quantize_rowwise_columnwise
@@ -93,9 +95,13 @@ def gemm_routes(recipe: Recipe, implementation: str = "auto") -> dict:
             "wgrad": _route(recipe.wgrad_x, recipe.wgrad_dy, implementation)}
 
 
-def _gemm(a, b, dn, route, out_dtype=jnp.float32, bias=None):
-    """One GEMM of the layer in float32 (+ bias in float32), cast to out_dtype."""
-    if isinstance(a, ExactOperand) or isinstance(b, ExactOperand):
+def _gemm(a, b, dn, route, out_dtype=jnp.float32, bias=None, reduce_out=False):
+    """One GEMM of the layer in float32 (+ bias in float32), cast to out_dtype. reduce_out: an emulated product's
+    cross-shard sum runs in out_dtype (`jax_fp4.distributed`, reduce_dtype="output")."""
+    if reduce_out and (isinstance(a, ExactOperand) or isinstance(b, ExactOperand) or route == "emulated"):
+        ops = [o if isinstance(o, ExactOperand) else exact_operand(lax.optimization_barrier(o)) for o in (a, b)]
+        y = reduced_product(ops[0][0], ops[1][0], ops[0][1], ops[1][1], dn, out_dtype)
+    elif isinstance(a, ExactOperand) or isinstance(b, ExactOperand):
         y = exact_dot_general(a, b, dn, jnp.float32)
     elif hasattr(a, "fmt"):
         if route == "kernel":  # the bias and the cast in the kernel's epilogue
@@ -129,8 +135,10 @@ def _forward(recipe, implementation, x2, w, bias, key):
     kx, kw, _ = operand_keys(key)
     ex = gemm_routes(recipe, implementation)["fprop"] == "emulated"
     x_fprop, _, _ = _quantize_pair(x2, recipe.fprop_x, None, kx, exact=(ex, False))
-    _, w_fprop, _ = _quantize_pair(w, None, recipe.fprop_w, kw, exact=(False, ex))
-    y = _gemm(x_fprop, w_fprop, _FPROP, gemm_routes(recipe, implementation)["fprop"], jnp.result_type(x2, w), bias)
+    _, w_fprop, _ = _quantize_pair(w, None, recipe.fprop_w, kw, exact=(False, ex and not fsdp_axes(recipe)))
+    w_fprop = gather_quantized(w_fprop, fsdp_axes(recipe))  # FSDP: the shards' codes and scales are gathered
+    y = _gemm(x_fprop, w_fprop, _FPROP, gemm_routes(recipe, implementation)["fprop"], jnp.result_type(x2, w), bias,
+              reduces_in_output_dtype(recipe))
     return y[:M, :N] if pm or pn else y
 
 
@@ -152,8 +160,12 @@ def _dense_fwd(recipe, implementation, x2, w, bias, key):
         w_dgrad, _, _ = _quantize_pair(w, recipe.dgrad_w, None, kw)
     else:
         x_fprop, x_wgrad, _ = _quantize_pair(x2, recipe.fprop_x, recipe.wgrad_x, kx, exact=(ex, False))
-        w_dgrad, w_fprop, _ = _quantize_pair(w, recipe.dgrad_w, recipe.fprop_w, kw, exact=(False, ex))
-        y = _gemm(x_fprop, w_fprop, _FPROP, routes["fprop"], jnp.result_type(x2, w), bias)
+        w_dgrad, w_fprop, _ = _quantize_pair(w, recipe.dgrad_w, recipe.fprop_w, kw,
+                                             exact=(False, ex and not fsdp_axes(recipe)))
+        # FSDP: the shards' codes and scales are gathered; the residual w_dgrad stays sharded (gathered in the bwd)
+        w_fprop = gather_quantized(w_fprop, fsdp_axes(recipe))
+        y = _gemm(x_fprop, w_fprop, _FPROP, routes["fprop"], jnp.result_type(x2, w), bias,
+                  reduces_in_output_dtype(recipe))
     res = (jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[0]), x_wgrad),
            jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[1]), w_dgrad),
            kdy, dtype_tag(x2), dtype_tag(w), None if bias is None else dtype_tag(bias))
@@ -169,8 +181,10 @@ def _dense_bwd(recipe, implementation, res, dy):
     routes = gemm_routes(recipe, implementation)
     dy_dgrad, dy_wgrad, db = _quantize_pair(dy, recipe.dgrad_dy, recipe.wgrad_dy, kdy, dbias=has_bias,
                                             exact=(routes["dgrad"] == "emulated", routes["wgrad"] == "emulated"))
-    dx = _gemm(dy_dgrad, w_dgrad, _DGRAD, routes["dgrad"], xs.dtype)
-    dw = _gemm(x_wgrad, dy_wgrad, _WGRAD, routes["wgrad"], ws.dtype)
+    red = reduces_in_output_dtype(recipe)
+    dx = _gemm(dy_dgrad, gather_quantized(w_dgrad, fsdp_axes(recipe)), _DGRAD, routes["dgrad"], xs.dtype,
+               reduce_out=red)
+    dw = _gemm(x_wgrad, dy_wgrad, _WGRAD, routes["wgrad"], ws.dtype, reduce_out=red)
     dbias = db.astype(bs.dtype) if has_bias else None
     return dx, dw, dbias, None
 
