@@ -14,7 +14,7 @@ residuals, and its nvfp4 backward runs bf16 GEMMs. It needs cuDNN's block-scaled
 On compute capability 9.x (H100/H200) with the `jf4_gemm` kernel, jax_fp4's GEMMs run on it ("kernel" route,
 packed operands); elsewhere without a native block-scaled GEMM they are emulated (exact block-scaled values in a
 bf16 x bf16 dot). `--implementations auto,emulated,kernel` times each recipe on each route of `jax_fp4.dense`
-(rows "recipe [route]"; `jax_fp4.dense.gemm_routes` gives the route of each GEMM, printed per row).
+(rows "recipe [route]"; `jax_fp4.route.recipe_routes` gives the route of each GEMM, printed per row).
 
 Timing: one jitted step, compiled once (lower().compile()), called alternately on NBUF rotated (x, w, b, g) buffer
 sets (fewer when they would not fit in MEM_CAP_BYTES); 2 warm-up calls, then `iters` calls (fewer for slow steps,

@@ -19,7 +19,7 @@ from jax_fp4._src.primitives.dequantize import dequantize_array
 from jax_fp4._src.primitives.quantize import quantize_3d
 from jax_fp4._src.primitives.rht_amax import rht_amax
 from jax_fp4._src.primitives.swizzle import swizzle as _swizzle
-from jax_fp4._src.primitives.swizzle import unswizzle as _unswizzle
+from jax_fp4._src.primitives.swizzle import compact_scales
 from jax_fp4.formats import NVFP4, Format
 from jax_fp4.quantized_array import SCALE_LAYOUTS, ExactOperand, QuantizedArray
 from jax_fp4.reference import layout
@@ -223,14 +223,6 @@ def _same_amax(row_fmt, col_fmt):
     return plain(row_fmt) and plain(col_fmt)
 
 
-def _compact_scale(q: QuantizedArray):
-    if q.scale_layout == "compact":
-        return q.scale
-    block_last = q.fmt.stores_block_axis_last
-    m = _unswizzle(q.scale, *q.fmt.scale_matrix_shape(q.shape, q.axis))
-    return layout.from_scale_matrix(m, q.compact_scale_shape(), q.axis, block_last)
-
-
 def dequantize(q: QuantizedArray, dtype=jnp.float32):
     """Dequantize a QuantizedArray to `dtype` (float32, bfloat16 or float16) with the original x's shape.
 
@@ -269,4 +261,4 @@ def unswizzle_scales(q: QuantizedArray) -> QuantizedArray:
     """Return `q` with compact scales; exact inverse of `swizzle_scales` (the `jf4_unswizzle` primitive)."""
     if q.scale_layout == "compact":
         return q
-    return QuantizedArray(q.data, _compact_scale(q), q.amax, q.window_amax, fmt=q.fmt, axis=q.axis)
+    return QuantizedArray(q.data, compact_scales(q), q.amax, q.window_amax, fmt=q.fmt, axis=q.axis)

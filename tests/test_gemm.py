@@ -34,7 +34,7 @@ from _quantize_util import bits, jq
 
 import jax_fp4
 from jax_fp4 import MXFP8, NVFP4
-from jax_fp4 import gemm as gemm_module
+from jax_fp4 import route as route_module
 
 M, K, N = 128, 128, 64
 KEY = jax.random.key(7)
@@ -171,7 +171,7 @@ def test_errors(rng):
         jax_fp4.scaled_dot_general(jq(xs["x"], NV, 0), dy_rht, wgrad)
     w_col = jq(xs["w"], NV, 0)
     fprop = ORIENTATIONS["x.w[K,N]"][2]
-    assert not gemm_module.native_gemm_available()  # the CPU (native on request: tests/test_gemm_native.py)
+    assert not route_module.native_gemm_available()  # the CPU (native on request: tests/test_gemm_native.py)
     with pytest.raises(ValueError, match="implementation must be one of"):
         jax_fp4.scaled_dot_general(x_row, w_col, fprop, implementation="cudnn")
     with pytest.raises(ValueError, match="must be a jax_fp4.QuantizedArray"):
@@ -194,7 +194,7 @@ def native_recorder(monkeypatch):
         except NotImplementedError:  # older jax: no CPU lowering
             return documented_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type)
 
-    monkeypatch.setattr(gemm_module, "native_gemm_available", lambda: True)
+    monkeypatch.setattr(route_module, "native_gemm_available", lambda: True)
     monkeypatch.setattr(jax.nn, "scaled_matmul", recorder)
     return calls
 

@@ -31,7 +31,7 @@ from _quantize_util import jq
 
 import jax_fp4
 from jax_fp4 import MXFP8, NVFP4
-from jax_fp4 import gemm as gemm_module
+from jax_fp4 import route as route_module
 
 M, K, N = 64, 128, 32
 KEY = jax.random.key(11)
@@ -43,7 +43,7 @@ ORIENTATIONS = {
     "wgrad x.dy": (("x", 0), ("dy", 0), (((0,), (0,)), ((), ())), M),
 }
 MX4, MX5 = MXFP8(), MXFP8(element="e5m2")
-# Every format pairing the native route takes (gemm._native_formats): MXFP8 x MXFP8 with either element type on either
+# Every format pairing the native route takes (jax_fp4.route.native_formats_ok): MXFP8 x MXFP8 with either element type on either
 # side, NVFP4 1D x NVFP4 1D (stochastic rounding changes only the quantization, not the operands' layout).
 NATIVE_PAIRS = {
     "mxfp8 e4m3 x e4m3": (MX4, MX4),
@@ -59,9 +59,9 @@ CASES = [(p, o) for p in NATIVE_PAIRS for o in ORIENTATIONS]
 @pytest.fixture
 def cpu_scaled_matmul(monkeypatch):
     """jax.nn.scaled_matmul as it is where it lowers on the CPU, its documented semantics where it does not."""
-    if not gemm_module.scaled_matmul_lowers():
+    if not route_module.scaled_matmul_lowers():
         monkeypatch.setattr(jax.nn, "scaled_matmul", documented_scaled_matmul)
-    assert gemm_module.scaled_matmul_lowers()
+    assert route_module.scaled_matmul_lowers()
 
 
 def _operands(rng, pair, orient):
@@ -107,7 +107,7 @@ def test_native_refused_without_a_lowering(rng, monkeypatch):
         raise NotImplementedError("MLIR translation rule for primitive 'scaled_matmul' not found")
 
     monkeypatch.setattr(jax.nn, "scaled_matmul", no_lowering)
-    assert not gemm_module.scaled_matmul_lowers()
+    assert not route_module.scaled_matmul_lowers()
     a, b, dn, _, _ = _operands(rng, "mxfp8 e4m3 x e4m3", "x.w[K,N]")
     with pytest.raises(ValueError, match="jax.nn.scaled_matmul does not lower on"):
         jax_fp4.scaled_dot_general(a, b, dn, implementation="native")
@@ -117,7 +117,7 @@ def test_native_refused_without_a_lowering(rng, monkeypatch):
 def test_auto_stays_emulated_below_compute_capability_10(rng, cpu_scaled_matmul, monkeypatch):
     """auto takes the native route only where native_gemm_available() (compute capability >= 10): not on the CPU,
     even where jax.nn.scaled_matmul lowers there; gemm_route (the environment report's source) says the same."""
-    assert not gemm_module.native_gemm_available()
+    assert not route_module.native_gemm_available()
     calls = []
     original = jax.nn.scaled_matmul
 
@@ -132,14 +132,14 @@ def test_auto_stays_emulated_below_compute_capability_10(rng, cpu_scaled_matmul,
     jax.eval_shape(lambda a, b: jax_fp4.scaled_dot_general(a, b, dn, implementation="native"), a, b)
     assert calls  # the same operands do take it when asked
     for fa, fb in NATIVE_PAIRS.values():
-        assert gemm_module.gemm_route(fa, fb) == "emulated"
-    assert gemm_module.gemm_route(None, None) == "bf16"
+        assert route_module.gemm_route(fa, fb) == "emulated"
+    assert route_module.gemm_route(None, None) == "bf16"
 
 
 def test_gemm_route_on_compute_capability_10(monkeypatch):
-    monkeypatch.setattr(gemm_module, "native_gemm_available", lambda: True)
+    monkeypatch.setattr(route_module, "native_gemm_available", lambda: True)
     for fa, fb in NATIVE_PAIRS.values():
-        assert gemm_module.gemm_route(fa, fb) == "native"
+        assert route_module.gemm_route(fa, fb) == "native"
     for fa, fb in [(NVFP4(), NVFP4(scaling_2d=True)), (NVFP4(rht=True), NVFP4(rht=True)),
                    (NVFP4(local_1x64=True), NVFP4(local_1x64=True)), (NVFP4(), MX4)]:
-        assert gemm_module.gemm_route(fa, fb) == "emulated"
+        assert route_module.gemm_route(fa, fb) == "emulated"

@@ -4,8 +4,9 @@ CPU (the primitive lowers to the emulation there):
 * the primitive equals `exact_dot_general` of the same K-major operands bit for bit, per format pairing (NVFP4 1D,
   2D weight, RHT pair, 1x64, MXFP8 E4M3 / E5M2, NVFP4 x MXFP8), with bias, bfloat16 output and the output amax;
 * its trace-time errors, vmap (folded into M, or one call per example), the JVP error;
-* routing: `kernel_gemm_available` only on compute capability 9.x with the kernel registered; "auto" takes the
-  kernel there for 2-D products (availability monkeypatched), not for batch axes or 1x64 x non-1x64; "kernel"
+* routing: `kernel_gemm_available` only on compute capability 9.x with the kernel registered; `jax_fp4.route.gemm_route`
+  on a given device; "auto" takes the kernel there for 2-D NVFP4 1x64 products (availability monkeypatched), not for
+  batch axes or 1x64 x non-1x64; "kernel"
   raises where it cannot run; the layout conversions (swizzled scales, MXFP8 blocked along a non-last axis, NVFP4 2D,
   leading axes folded into M) give the emulated route's product: bit for bit on inputs whose fp32 sums are exact
   in any order (`exact_input`), within the derived bound (`_gemm_util`) on random inputs;
@@ -30,7 +31,9 @@ from _quantize_util import bits, jq
 import jax_fp4
 from jax_fp4 import MXFP8, NVFP4, recipes
 from jax_fp4 import gemm as gemm_module
+from jax_fp4 import route as route_module
 from jax_fp4._src.primitives import gemm as prim
+from jax_fp4._src.primitives.gemm_operands import kernel_operand
 from jax_fp4.dense import gemm_routes
 from jax_fp4.reference.nvfp4 import decode_amax
 
@@ -78,7 +81,7 @@ def _operands(rng, pair, make=None):
 
 
 def _kernel_args(q):
-    (d, s, x), _ = gemm_module._kernel_operand(q)
+    (d, s, x), _ = kernel_operand(q)
     return d, s, x
 
 
@@ -213,25 +216,22 @@ class _Device:
                                                          ("cpu", None, True, False)])
 def test_kernel_gemm_available(monkeypatch, platform, cc, registered, want):
     monkeypatch.setattr(prim, "cuda_kernel_registered", lambda: registered)
-    monkeypatch.setattr(gemm_module.jax, "devices", lambda: [_Device(platform, cc)])
-    assert gemm_module.kernel_gemm_available() is want
+    monkeypatch.setattr(route_module.jax, "devices", lambda: [_Device(platform, cc)])
+    assert route_module.kernel_gemm_available() is want
 
 
 @pytest.fixture
 def kernel_here(monkeypatch):
-    """Pretend the default device runs jf4_gemm (on the CPU the primitive lowers to the emulation) and "auto" takes
-    it (gemm.AUTO_TAKES_KERNEL)."""
-    monkeypatch.setattr(gemm_module, "kernel_gemm_available", lambda: True)
-    monkeypatch.setattr(gemm_module, "AUTO_TAKES_KERNEL", True)
+    """Pretend the default device runs jf4_gemm (on the CPU the primitive lowers to the emulation)."""
+    monkeypatch.setattr(route_module, "kernel_gemm_available", lambda: True)
 
 
 def test_auto_leaves_the_kernel_while_it_is_slower(rng, monkeypatch):
-    """With AUTO_TAKES_KERNEL off, "auto" takes the kernel only for NVFP4 1x64 pairs (measured faster than their
-    float32 emulation) and emulates MXFP8 / NVFP4 1D where it runs; implementation="kernel" still takes those."""
-    monkeypatch.setattr(gemm_module, "kernel_gemm_available", lambda: True)
-    monkeypatch.setattr(gemm_module, "AUTO_TAKES_KERNEL", False)
-    assert gemm_module.gemm_route(NV, NV) == "emulated"
-    assert gemm_module.gemm_route(NV64, NV64) == "kernel"  # the one pairing it beats the emulated route on
+    """"auto" takes the kernel only for NVFP4 1x64 pairs (measured faster than their float32 emulation) and
+    emulates MXFP8 / NVFP4 1D where it runs; implementation="kernel" still takes those."""
+    monkeypatch.setattr(route_module, "kernel_gemm_available", lambda: True)
+    assert route_module.gemm_route(NV, NV) == "emulated"
+    assert route_module.gemm_route(NV64, NV64) == "kernel"  # the one pairing it beats the emulated route on
     assert gemm_routes(recipes.MXFP8())["fprop"] == "emulated"
     r = recipes.NVFP4_1x64()  # 1x64 in fprop only; its backward GEMMs are NVFP4 1D pairs
     want = {g: ("kernel" if fa.local_1x64 and fb.local_1x64 else "emulated")
@@ -263,17 +263,25 @@ def _primitives(fn, *args):
     return names
 
 
-def test_gemm_route(kernel_here):
-    assert gemm_module.gemm_route(NV, NV2D) == "kernel" == gemm_module.gemm_route(MX5, MX4)
-    assert gemm_module.gemm_route(NV64, NV64) == "kernel" == gemm_module.gemm_route(NVRHT, NVRHT)
-    assert gemm_module.gemm_route(NV64, MX4) == "emulated" and gemm_module.gemm_route(None, NV) == "bf16"
-    routes = gemm_routes(recipes.NVFP4_1x64())
+def test_gemm_route_on_a_kernel_device():
+    """gemm_route is a function of the formats, the implementation and the device alone."""
+    dev = route_module.GemmDevice(kernel=True)
+    route = route_module.gemm_route
+    assert route(NV, NV2D, "kernel", dev) == "kernel" == route(MX5, MX4, "kernel", dev)
+    assert route(NV64, NV64, "kernel", dev) == "kernel" == route(NVRHT, NVRHT, "kernel", dev)
+    assert route(NV64, MX4, "kernel", dev) == "emulated" and route(None, NV, "kernel", dev) == "bf16"
+    assert route(NV, NV, "auto", dev) == "emulated" and route(NV64, NV64, "auto", dev) == "kernel"
+    assert route(NV64, NV64, "auto", dev, kernel_fits=False) == "emulated"
+    assert route(NV64, NV64, "emulated", dev) == "emulated"
+    routes = route_module.recipe_routes(recipes.NVFP4_1x64(), "kernel", dev)
     assert routes == {"fprop": "kernel", "dgrad": "kernel", "wgrad": "kernel"}
-    assert gemm_routes(recipes.NVFP4_1x64(), "emulated")["fprop"] == "emulated"
+    assert route_module.recipe_routes(recipes.NVFP4_1x64(), "emulated", dev)["fprop"] == "emulated"
+    with pytest.raises(ValueError, match="no jf4_gemm kernel on"):
+        route(NV, NV, "kernel", route_module.GemmDevice())
 
 
 def test_auto_takes_the_kernel_where_the_operands_allow(rng, kernel_here):
-    a, b = _operands(rng, "nvfp4")
+    a, b = _operands(rng, "nvfp4-1x64")
     tn = prim.TN
     assert "jf4_gemm" in _primitives(lambda a, b: jax_fp4.scaled_dot_general(a, b, tn), a, b)
     assert "jf4_gemm" not in _primitives(lambda a, b: jax_fp4.scaled_dot_general(a, b, tn, implementation="emulated"),
@@ -281,7 +289,8 @@ def test_auto_takes_the_kernel_where_the_operands_allow(rng, kernel_here):
     a3 = jq(_normal(rng, (2, M // 2, K)), MX4)
     b3 = jq(_normal(rng, (2, N, K)), MX4)
     batch = (((2,), (2,)), ((0,), (0,)))
-    assert "jf4_gemm" not in _primitives(lambda a, b: jax_fp4.scaled_dot_general(a, b, batch), a3, b3)
+    a64, b64 = jq(_normal(rng, (2, M // 2, K)), NV64), jq(_normal(rng, (2, N, K)), NV64)
+    assert "jf4_gemm" not in _primitives(lambda a, b: jax_fp4.scaled_dot_general(a, b, batch), a64, b64)
     with pytest.raises(ValueError, match="no jf4_gemm kernel for"):
         jax_fp4.scaled_dot_general(a3, b3, batch, implementation="kernel")
     a64, bmx = jq(_normal(rng, (M, K)), NV64), jq(_normal(rng, (N, K)), MX4)
@@ -389,8 +398,7 @@ def _assert_dense_route_is_emulated_bits(rng, recipe, implementation, seed):
 def test_dense_auto_mixes_kernel_and_emulated_routes_on_the_cpu(rng, monkeypatch):
     """nvfp4-1x64 under "auto" where the kernel runs: fprop on jf4_gemm (a 1x64 pair), dgrad / wgrad emulated (NVFP4
     1D pairs, with exact operands), the same bits as the all-emulated step."""
-    monkeypatch.setattr(gemm_module, "kernel_gemm_available", lambda: True)
-    monkeypatch.setattr(gemm_module, "AUTO_TAKES_KERNEL", False)
+    monkeypatch.setattr(route_module, "kernel_gemm_available", lambda: True)
     recipe = recipes.by_name("nvfp4-1x64")
     assert gemm_routes(recipe)["fprop"] == "kernel" and gemm_routes(recipe)["dgrad"] == "emulated"
     _assert_dense_route_is_emulated_bits(rng, recipe, "auto", 5)
@@ -398,7 +406,7 @@ def test_dense_auto_mixes_kernel_and_emulated_routes_on_the_cpu(rng, monkeypatch
 
 # ---- GPU: the jf4_gemm kernel -----------------------------------------------------------------------------------
 def _needs_kernel():
-    if not gemm_module.kernel_gemm_available():
+    if not route_module.kernel_gemm_available():
         pytest.skip("no jf4_gemm kernel on this device (compute capability 9.x and the CUDA extension needed)")
 
 
@@ -470,9 +478,9 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from _gemm_util import check_dense, dense_operands, operand_bound, assert_within
 import jax_fp4
-from jax_fp4 import gemm, recipes, MXFP8, NVFP4
+from jax_fp4 import route, recipes, MXFP8, NVFP4
 
-gemm.kernel_gemm_available = lambda: True  # the primitive lowers to the emulation on the CPU
+route.kernel_gemm_available = lambda: True  # the primitive lowers to the emulation on the CPU
 rng = np.random.default_rng({seed})
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
 M, K, N = 256, 128, 128

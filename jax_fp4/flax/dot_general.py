@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_fp4.dense import canonical_dimension_numbers
+from jax_fp4._src.dimension_numbers import canonical_dimension_numbers
 from jax_fp4.blocking import BlockingError
 from jax_fp4.dense import dot_general as _fp4_dot_general
 from jax_fp4.flax.layer_path import calling_layer_path

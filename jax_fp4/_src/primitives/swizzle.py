@@ -35,7 +35,7 @@ from jax_fp4._src.primitives._common import def_impl
 from jax_fp4.formats import SCALE_TILE_COLS, SCALE_TILE_ROWS, round_up
 from jax_fp4.reference import layout
 
-__all__ = ["BYTE_DTYPES", "swizzle_p", "unswizzle_p", "swizzle", "unswizzle", "padded_shape"]
+__all__ = ["BYTE_DTYPES", "swizzle_p", "unswizzle_p", "swizzle", "unswizzle", "padded_shape", "compact_scales"]
 
 #: The scale dtypes the primitives accept (any 8-bit code: only the bytes move).
 BYTE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e8m0fnu, jnp.float8_e5m2, jnp.uint8,
@@ -158,3 +158,12 @@ def swizzle(s):
 def unswizzle(sw, rows: int, cols: int):
     """Inverse of `swizzle`: [..., round_up(rows, 128), round_up(cols, 4)] -> compact [..., rows, cols]."""
     return unswizzle_p.bind(jnp.asarray(sw), rows=int(rows), cols=int(cols))
+
+
+def compact_scales(q):
+    """The compact block scales of a `jax_fp4.QuantizedArray` q (`q.compact_scale_shape()`): q.scale itself when
+    compact, else its swizzled scales through `jf4_unswizzle`."""
+    if q.scale_layout == "compact":
+        return q.scale
+    m = unswizzle(q.scale, *q.fmt.scale_matrix_shape(q.shape, q.axis))
+    return layout.from_scale_matrix(m, q.compact_scale_shape(), q.axis, q.fmt.stores_block_axis_last)
