@@ -7,8 +7,8 @@ MXFP8-column pass), the weight once (columnwise for fprop, rowwise for dgrad), a
 Backward: dy is quantized once for both GEMMs (rowwise for dgrad, columnwise for wgrad) with the bias gradient fused
 into the same pass; dx = dy @ w.T and dw = x.T @ dy.
 Randomness (stochastic rounding): `key` is split into (x, w, dy) keys with `jax.random.split(key, 3)`.
-Routes (`jax_fp4.gemm.gemm_route`, per GEMM, at trace time): on compute capability 9.x with the `jf4_gemm` kernel
-("kernel") every quantized operand stays a packed QuantizedArray (codes, block scales, tensor / window amax) and
+Routes (`jax_fp4.route.recipe_routes`, per GEMM, at trace time): on the `jf4_gemm` kernel ("kernel") every
+quantized operand stays a packed QuantizedArray (codes, block scales, tensor / window amax) and
 fprop, dgrad and wgrad run `jf4_gemm`, fprop with the bias fused into its epilogue; no bfloat16 operand is written
 and no dequantize pass runs. Emulated GEMMs (CPU; any device with implementation="emulated"): an operand consumed at
 once (not a residual) comes from the quantize pass as an `ExactOperand` (bfloat16 value(q) * block scale, written by
@@ -26,24 +26,25 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_fp4 import gemm as _gemm_module
 from jax_fp4 import blocking as _blocking
+from jax_fp4._src.dimension_numbers import canonical_dimension_numbers
 from jax_fp4._src.vjp_util import dtype_tag, operand_keys, reverse_mode_only
 from jax_fp4.distributed import fsdp_axes, gather_quantized, reduced_product, reduces_in_output_dtype
 from jax_fp4.formats import NVFP4
 from jax_fp4.gemm import (
     ExactOperand,
-    canonical_dimension_numbers,
     exact_dot_general,
     exact_operand,
     scaled_dot_general,
 )
 from jax_fp4.quantize import quantize_rowwise_columnwise
 from jax_fp4.recipes import Recipe, resolve
+from jax_fp4.route import recipe_routes
 
 __all__ = ["dense", "dot_general", "RESIDUAL_NAMES", "IMPLEMENTATIONS", "gemm_routes"]
 
-#: dense's `implementation` choices: per GEMM as `gemm_route` says, every quantized GEMM emulated, or on jf4_gemm.
+#: dense's `implementation` choices: per GEMM as `jax_fp4.route.gemm_route` says, every quantized GEMM emulated, or
+#: on jf4_gemm.
 IMPLEMENTATIONS = ("auto", "emulated", "kernel")
 
 RESIDUAL_NAMES = ("jax_fp4_x_wgrad", "jax_fp4_w_dgrad")
@@ -68,21 +69,9 @@ def _quantize_pair(a, row_fmt, col_fmt, key, dbias=False, exact=(False, False)):
     return (a if row is None else row), (a if col is None else col), db
 
 
-def _route(fa, fb, implementation: str) -> str:
-    if fa is None or fb is None:
-        return "bf16"
-    if implementation == "auto":
-        return _gemm_module.gemm_route(fa, fb)
-    if implementation == "kernel":
-        if not _gemm_module.kernel_gemm_available():
-            raise ValueError("dense: implementation='kernel' needs the jf4_gemm kernel (a GPU of compute capability "
-                             "9.x and the CUDA extension built with it; jax_fp4.gemm.kernel_gemm_available())")
-        return "kernel" if _gemm_module.kernel_formats_ok(fa, fb) else "emulated"
-    return "emulated"
-
-
 def gemm_routes(recipe: Recipe, implementation: str = "auto") -> dict:
-    """{"fprop", "dgrad", "wgrad": route} of `dense` on the default device: "kernel", "native", "emulated" or "bf16".
+    """`jax_fp4.route.recipe_routes` for dense's implementations: {"fprop", "dgrad", "wgrad": "kernel", "native",
+    "emulated" or "bf16"} on the default device.
 
     implementation="kernel" puts every GEMM whose formats `jf4_gemm` takes on the kernel (NVFP4 1x64 pairs only with
     1x64; the others stay emulated) and raises ValueError on a device without it; "emulated" emulates every
@@ -90,9 +79,7 @@ def gemm_routes(recipe: Recipe, implementation: str = "auto") -> dict:
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"dense: implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    return {"fprop": _route(recipe.fprop_x, recipe.fprop_w, implementation),
-            "dgrad": _route(recipe.dgrad_dy, recipe.dgrad_w, implementation),
-            "wgrad": _route(recipe.wgrad_x, recipe.wgrad_dy, implementation)}
+    return recipe_routes(recipe, implementation)
 
 
 def _gemm(a, b, dn, route, out_dtype=jnp.float32, bias=None, reduce_out=False):
@@ -106,7 +93,7 @@ def _gemm(a, b, dn, route, out_dtype=jnp.float32, bias=None, reduce_out=False):
     elif hasattr(a, "fmt"):
         if route == "kernel":  # the bias and the cast in the kernel's epilogue
             return scaled_dot_general(a, b, dn, out_dtype, implementation="kernel", bias=bias)
-        y = scaled_dot_general(a, b, dn, jnp.float32, implementation="emulated" if route == "emulated" else "auto")
+        y = scaled_dot_general(a, b, dn, jnp.float32, implementation=route)
     else:
         y = lax.dot_general(a, b, dn, preferred_element_type=jnp.float32)
     if bias is not None:
@@ -204,8 +191,8 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, implementation: str
       key: PRNG key for stochastic rounding: required when an fprop operand rounds stochastically, and when the
         call is differentiated with a recipe that rounds a gradient operand stochastically (e.g. `recipes.NVFP4()`);
         a forward-only call of such a recipe needs none.
-      implementation: "auto" (each GEMM on the route `jax_fp4.gemm.gemm_route` names: the `jf4_gemm` kernel on
-        compute capability 9.x, else native or emulated), "emulated" (every quantized GEMM emulated, e.g. to compare
+      implementation: "auto" (each GEMM on the route `jax_fp4.route.gemm_route` names: the `jf4_gemm` kernel on
+        compute capability 9.x for NVFP4 1x64 pairs, else native or emulated), "emulated" (every quantized GEMM emulated, e.g. to compare
         routes) or "kernel" (ValueError where no `jf4_gemm` kernel runs); see `gemm_routes`.
 
     Forward-only calls (no VJP taken: inference, `jax.jit` without `grad`) quantize only the fprop operands (x
