@@ -64,7 +64,7 @@ def _scale_limits(fmt):
     """(underflow bound, largest finite) of the decoded block scale: a scale below the bound underflows (E4M3: its
     smallest normal 2^-6; E8M0, powers of two: 2^-126, i.e. the clamp value 2^-127)."""
     if isinstance(fmt, NVFP4):
-        return _E4M3_MIN_NORMAL, 448.0
+        return _E4M3_MIN_NORMAL, fmt.scale_max
     return 2.0 ** -126, 2.0 ** 127
 
 

@@ -15,7 +15,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jax_fp4.formats import NVFP4, Format
+from jax_fp4.formats import Format
 from jax_fp4.quantize import dequantize, quantize
 
 __all__ = ["fake_quantize"]
@@ -77,7 +77,7 @@ def fake_quantize(x, fmt: Format, axis: int = -1, *, key=None, clip_gradient: bo
                         f"{type(fmt).__name__} {fmt!r}")
     if not isinstance(clip_gradient, bool):
         raise TypeError(f"fake_quantize: clip_gradient must be a bool, got {clip_gradient!r}")
-    if clip_gradient and isinstance(fmt, NVFP4) and fmt.rht:
+    if clip_gradient and fmt.rht:
         raise ValueError(f"fake_quantize: clip_gradient needs an elementwise quantizer; {fmt!r} applies the RHT, "
                          "which mixes each 16-element chunk")
     x = jnp.asarray(x)

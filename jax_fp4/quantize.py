@@ -20,7 +20,7 @@ from jax_fp4._src.primitives.quantize import quantize_3d
 from jax_fp4._src.primitives.rht_amax import rht_amax
 from jax_fp4._src.primitives.swizzle import swizzle as _swizzle
 from jax_fp4._src.primitives.swizzle import compact_scales
-from jax_fp4.formats import NVFP4, Format
+from jax_fp4.formats import Format
 from jax_fp4.quantized_array import SCALE_LAYOUTS, ExactOperand, QuantizedArray
 from jax_fp4.reference import layout
 from jax_fp4.reference.nvfp4 import tensor_decode_scale, window_nan
@@ -40,7 +40,7 @@ def _check_layout(scale_layout, x, fmt):
 def _amax(x, x3, fmt, orientation):
     """float32[P]: the tensor amax an NVFP4 1D/2D/RHT orientation encodes with (zeros when unused)."""
     P = x3.shape[0]
-    if not isinstance(fmt, NVFP4) or fmt.local_1x64:
+    if fmt is None or not fmt.has_tensor_amax:
         return jnp.zeros((P,), jnp.float32)
     if P == 0:  # nothing to encode (and nothing to reduce over)
         return jnp.zeros((0,), jnp.float32)
@@ -49,7 +49,7 @@ def _amax(x, x3, fmt, orientation):
 
 
 def _key_words(fmt, key):
-    if isinstance(fmt, NVFP4) and fmt.stochastic_rounding:
+    if fmt is not None and fmt.needs_key:
         return philox_key(key)
     return jnp.zeros((2,), jnp.uint32)
 
@@ -57,7 +57,7 @@ def _key_words(fmt, key):
 def _scalar_amax(fmt, amax, nan=None):
     """The scalar tensor amax a QuantizedArray carries, from _amax's float32[P] (all equal; 0, the amax of nothing,
     when P == 0); NaN where `nan` (x holds a NaN, `_has_nan`): see `_has_nan`."""
-    if not isinstance(fmt, NVFP4) or fmt.local_1x64:
+    if fmt is None or not fmt.has_tensor_amax:
         return None
     a = amax[0] if amax.shape[0] else jnp.zeros((), jnp.float32)
     return a if nan is None else jnp.where(nan, jnp.float32(jnp.nan), a)
@@ -72,17 +72,15 @@ def _has_nan(x, *fmts):
     and a diverging run cannot look healthy. Cost: one extra reduction over x (an XLA fusion, not the CUDA kernels).
     ±inf needs nothing: the amax is inf and the decode scale inf.
     """
-    if not any(isinstance(f, NVFP4) and not f.local_1x64 for f in fmts) or x.size == 0:
+    if not any(f is not None and f.has_tensor_amax for f in fmts) or x.size == 0:
         return None
-    # a float32 max (not a bool any): under sharding its cross-shard reduction is a float32 max all-reduce like
-    # the amax's, which XLA combines into one collective (docs/numerics.md "Distributed training")
-    return jnp.max(jnp.isnan(x).astype(jnp.float32)) > 0
+    return jnp.any(jnp.isnan(x))
 
 
 def _wamax(fmt, w, shape, x, axis):
     """The 1x64 window amax a QuantizedArray carries (None for other formats): the kernel's, NaN for every window
     holding a NaN of x (`window_nan`), as `_has_nan` does for the tensor amax; the encode used the finite one."""
-    if not (isinstance(fmt, NVFP4) and fmt.local_1x64):
+    if fmt is None or not fmt.local_1x64:
         return None
     return jnp.where(window_nan(x, axis), jnp.float32(jnp.nan), w.reshape(shape))
 
@@ -171,7 +169,7 @@ def quantize_rowwise_columnwise(x, row_fmt: Format | None, col_fmt: Format | Non
         raise ValueError(f"quantize_rowwise_columnwise: x must have rank >= 2, got {x.dtype}{list(x.shape)}")
     M, K = math.prod(x.shape[:-1]), x.shape[-1]
     x2 = x.reshape(M, K)
-    needs_key = any(isinstance(f, NVFP4) and f.stochastic_rounding for f in (row_fmt, col_fmt))
+    needs_key = any(f is not None and f.needs_key for f in (row_fmt, col_fmt))
     keys = jax.random.split(key) if (needs_key and key is not None) else (None, None)
     if row_fmt is not None:
         check_quantize_inputs(x, row_fmt, -1, keys[0])
@@ -196,7 +194,7 @@ def quantize_rowwise_columnwise(x, row_fmt: Format | None, col_fmt: Format | Non
                              _scalar_amax(row_fmt, amax_r, nan), w, fmt=row_fmt, axis=-1, scale_layout=scale_layout)
     if exact[1]:
         v = o["col_data"][0]
-        col = ExactOperand(v.T if isinstance(col_fmt, NVFP4) else v, _tensor_scale(col_fmt, amax_c, nan))
+        col = ExactOperand(v.T if col_fmt.stores_block_axis_last else v, _tensor_scale(col_fmt, amax_c, nan))
     elif col_fmt is not None:
         scale = o["col_scale"]
         if scale_layout == "compact":
@@ -215,13 +213,13 @@ def _tensor_scale(fmt, amax, nan=None):
 
 
 def _window_shape(fmt, shape, axis):
-    return fmt.window_amax_shape(shape, axis) if isinstance(fmt, NVFP4) else None
+    return fmt.window_amax_shape(shape, axis) if fmt.local_1x64 else None
 
 
 def _same_amax(row_fmt, col_fmt):
     """Both orientations encode with the plain tensor amax (no RHT, no 1x64): one amax pass serves both."""
     def plain(f):
-        return isinstance(f, NVFP4) and not f.rht and not f.local_1x64
+        return f is not None and f.has_tensor_amax and not f.rht
     return plain(row_fmt) and plain(col_fmt)
 
 

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_fp4.formats import NVFP4, Format
+from jax_fp4.formats import Format
 
 __all__ = ["SCALE_LAYOUTS", "ExactOperand", "QuantizedArray"]
 
@@ -93,8 +93,7 @@ class QuantizedArray:
                 raise ValueError(f"{where}: swizzled scale must be the padded 2-D matrix "
                                  f"{list(fmt.swizzled_scale_shape(shape, self.axis))} for data "
                                  f"{data.dtype}{list(data.shape)}, got {list(scale.shape)}")
-        tensor_amax = isinstance(fmt, NVFP4) and fmt.has_tensor_amax
-        if tensor_amax:
+        if fmt.has_tensor_amax:
             a = self.amax
             if a is None:
                 raise ValueError(f"{where}: NVFP4 needs amax, the float32 tensor amax the data was encoded with "
@@ -106,7 +105,7 @@ class QuantizedArray:
         elif self.amax is not None:
             raise ValueError(f"{where}: {fmt!r} has no tensor amax; amax must be None, got "
                              f"{self.amax.dtype}{list(self.amax.shape)}")
-        if isinstance(fmt, NVFP4) and fmt.local_1x64:
+        if fmt.local_1x64:
             w, want = self.window_amax, fmt.window_amax_shape(shape, self.axis)
             if w is None or jnp.dtype(w.dtype) != jnp.float32 or tuple(w.shape) != tuple(want):
                 got = None if w is None else f"{w.dtype}{list(w.shape)}"

@@ -24,10 +24,6 @@ __all__ = ["Recipe", "BF16", "MXFP8", "NVFP4", "NVFP4Fwd_MXFP8Bwd", "NVFP4_1x64"
 _OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")
 
 
-def _stochastic(f) -> bool:
-    return isinstance(f, _NVFP4) and f.stochastic_rounding
-
-
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """Formats of the six GEMM operands (None = not quantized). See the module docstring for the orientations."""
@@ -50,12 +46,12 @@ class Recipe:
     @property
     def needs_key(self) -> bool:
         """Whether some operand uses stochastic rounding (then a differentiated dense/dot_general needs a key)."""
-        return any(_stochastic(f) for f in self.formats())
+        return any(f is not None and f.needs_key for f in self.formats())
 
     @property
     def fprop_needs_key(self) -> bool:
         """Whether an fprop operand uses stochastic rounding (then even a forward-only call needs a PRNG key)."""
-        return any(_stochastic(f) for f in (self.fprop_x, self.fprop_w))
+        return any(f is not None and f.needs_key for f in (self.fprop_x, self.fprop_w))
 
     def check_key(self, key, where: str, *, backward: bool) -> None:
         """ValueError naming `where` when `key` is None but the forward (backward=False) or the forward and backward
@@ -87,7 +83,7 @@ class Recipe:
                              "wgrad": (self.wgrad_x, self.wgrad_dy)}.items():
             if (a is None) != (b is None):
                 raise ValueError(f"Recipe {self.name}: both {pair} operands are quantized or neither ({a!r}, {b!r})")
-            rht = [isinstance(f, _NVFP4) and f.rht for f in (a, b)]
+            rht = [f is not None and f.rht for f in (a, b)]
             if rht[0] != rht[1]:
                 raise ValueError(f"Recipe {self.name}: RHT must be on both {pair} operands or neither")
 
