@@ -174,9 +174,15 @@ def _nonnegative_float(s):
 
 def _recipe_list(s):
     names = [n.strip() for n in s.split(",") if n.strip()]
-    bad = [n for n in names if n not in recipes.RECIPES]
+    bad = []
+    for n in names:  # any name recipes.by_name knows (e.g. nvfp4-fwd-mxfp8-bwd-4over6), not only RECIPES' defaults
+        try:
+            recipes.by_name(n)
+        except ValueError:
+            bad.append(n)
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown recipe(s) {bad or s!r}; choose from {sorted(recipes.RECIPES)}")
+        raise argparse.ArgumentTypeError(f"unknown recipe(s) {bad or s!r}; choose from {sorted(recipes.RECIPES)} or "
+                                         "a variant recipes.by_name knows")
     return list(dict.fromkeys(names))
 
 

@@ -160,6 +160,7 @@ class Format:
     rht: bool = False
     stochastic_rounding: bool = False
     local_1x64: bool = False
+    use_4over6: bool = False
 
     @property
     def kind_code(self) -> int:
@@ -169,7 +170,8 @@ class Format:
     @property
     def has_tensor_amax(self) -> bool:
         """Encodes with an fp32 tensor amax (NVFP4 1D/2D/RHT): an amax pass precedes the quantize, the
-        QuantizedArray carries it, and a GEMM multiplies its result by the tensor scale amax * fp32(1/2688)."""
+        QuantizedArray carries it, and a GEMM multiplies its result by the tensor scale amax * fp32(1/2688)
+        (amax * fp32(1/1536) for NVFP4 on the 256 bound, `NVFP4.global_e4m3_max`)."""
         return False
 
     @property
@@ -195,13 +197,24 @@ class NVFP4(Format):
       stochastic_rounding: round values stochastically (gradients); `quantize` then needs a PRNG key.
       local_1x64: the 1x64 local encode (TE PR #2941): one encode scale per 1x64 window instead of the tensor
         scale; needs both the block axis and the flattened other axes to be multiples of 64; excludes the others.
+      use_4over6: "Four Over Six" adaptive block scaling (TE `nvfp4_4over6`, PR #2972; arXiv 2512.02010): every
+        1x16 block (16x16 tile with scaling_2d) is encoded twice, with its amax mapped to 6 (the plain block scale)
+        and to 4 (the block scale times 1.5), and keeps the candidate whose reconstruction has the smaller error
+        (ties: map-to-6). Forward operands only in TE: excludes rht, stochastic_rounding and local_1x64.
+      e4m3_max: the E4M3 bound the tensor scale is built on (TE `nvfp4_e4m3_max`): S_enc = 6 * e4m3_max / amax and
+        the decode / GEMM tensor scale amax / (6 * e4m3_max). None (default): 256 with use_4over6 (TE's default
+        `nvfp4_4over6_e4m3_use_256="all"`, which leaves room for the x1.5 map-to-4 scale), else 448. 256 needs
+        use_4over6 (TE: "Non-4over6 NVFP4 quantization requires E4M3 max 448").
+      err_mode_4over6: the candidate error of use_4over6 (TE `nvfp4_4over6_err_mode`): "MAE" (default, sum of
+        |x_hat - x|) or "MSE" (sum of (x_hat - x)^2), in TE's exact fp32 order (docs/numerics.md section 1).
 
     Data: float4_e2m1fn, the block axis stored last (packed two per byte on GPU, element 2j in the low nibble).
     Scales: float8_e4m3fn [..., n/16]. Tensor amax: float32 scalar (1x64: window amax float32 [..., n/64]).
     """
 
     name = "NVFP4"
-    _options = {"scaling_2d": False, "rht": False, "stochastic_rounding": False, "local_1x64": False}
+    _options = {"scaling_2d": False, "rht": False, "stochastic_rounding": False, "local_1x64": False,
+                "use_4over6": False, "e4m3_max": None, "err_mode_4over6": "MAE"}
     block_size = 16
     data_dtype = jnp.float4_e2m1fn
     scale_dtype = jnp.float8_e4m3fn
@@ -210,7 +223,29 @@ class NVFP4(Format):
     scale_max = 448.0  # largest E4M3 block scale
     tile_2d = 16
 
+    def _normalize(self, key, value):
+        if key == "e4m3_max":
+            if value is not None and (isinstance(value, (bool, np.bool_)) or value not in (256, 448)):
+                raise ValueError(f"NVFP4: e4m3_max must be None, 256 or 448 (TE nvfp4_e4m3_max), got {value!r}")
+            return None if value is None else int(value)
+        if key == "err_mode_4over6":
+            mode = value.upper() if isinstance(value, str) else value
+            if mode not in ("MAE", "MSE"):
+                raise ValueError(f"NVFP4: err_mode_4over6 must be 'MAE' or 'MSE' (TE nvfp4_4over6_err_mode), "
+                                 f"got {value!r}")
+            return mode
+        return super()._normalize(key, value)
+
     def _validate(self):
+        if self.use_4over6 and (self.rht or self.stochastic_rounding or self.local_1x64):
+            raise ValueError(f"{self!r}: use_4over6 excludes rht, stochastic_rounding and local_1x64 (TE applies "
+                             "4over6 to forward operands only: its 4over6 quantize refuses stochastic rounding, and "
+                             "4over6 with RHT is not implemented there)")
+        if self.e4m3_max == (256 if self.use_4over6 else 448):  # the default bound: one spelling, one hash
+            object.__setattr__(self, "e4m3_max", None)
+        if self.e4m3_max == 256 and not self.use_4over6:
+            raise ValueError(f"{self!r}: e4m3_max=256 needs use_4over6=True (TE: non-4over6 NVFP4 quantization "
+                             "requires E4M3 max 448)")
         if self.local_1x64 and (self.scaling_2d or self.rht or self.stochastic_rounding):
             raise ValueError(f"{self!r}: local_1x64 excludes scaling_2d, rht and stochastic_rounding (TE PR #2941)")
         if self.scaling_2d and self.rht:
@@ -223,6 +258,15 @@ class NVFP4(Format):
     @property
     def has_tensor_amax(self) -> bool:
         return not self.local_1x64
+
+    @property
+    def global_e4m3_max(self) -> int:
+        """The E4M3 bound of the tensor scale (TE `nvfp4_e4m3_max`): 448, or 256 for use_4over6 unless e4m3_max
+        says otherwise. S_enc = 6 * global_e4m3_max / amax; the decode and GEMM tensor scale is
+        amax * fp32(1 / (6 * global_e4m3_max))."""
+        if self.e4m3_max is not None:
+            return self.e4m3_max
+        return 256 if self.use_4over6 else 448
 
     @property
     def kind_code(self) -> int:

@@ -68,7 +68,7 @@ def grouped_exact_operand(gq: GroupedQuantizedArray):
     RHT domain for RHT formats), tensor_scale float32[N] = amax * fp32(1/2688) (NVFP4) or None (MXFP8), so that
     group g's dequantize is values * tensor_scale[g] up to the roundings of that product."""
     v = grouped_dequantize(gq, jnp.bfloat16, raw=True)  # MXFP8: saturated to the bfloat16 range
-    return v, (tensor_decode_scale(gq.amax) if gq.amax is not None else None)
+    return v, (tensor_decode_scale(gq.amax, gq.fmt.global_e4m3_max) if gq.amax is not None else None)
 
 
 def _values(op):

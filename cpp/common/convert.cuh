@@ -37,6 +37,8 @@ JF4_HD float kInv2688() { return Float(0x39c30c31u); }      // fp32(1/2688)
 JF4_HD float kWindowFloor() { return Float(0x2b8cbcccu); }  // fp32(1e-12)
 constexpr float kEncNumerator = 2688.0f;                     // 6 * 448
 JF4_HD float kDecodeAmaxFloor() { return Float(0x05280001u); }  // fp32(2688 / FLT_MAX)
+JF4_HD float kInv1536() { return Float(0x3a2aaaabu); }           // fp32(1/1536): 6 * 256, the 4over6 bound
+JF4_HD float kDecodeAmaxFloor256() { return Float(0x04c00001u); }  // fp32(1536 / FLT_MAX)
 
 // IEEE fp32 operations, rounded once to nearest even (the host is built with -ffp-contract=off).
 JF4_HD float Mul(float a, float b) {
@@ -56,12 +58,15 @@ JF4_HD float Div(float a, float b) {
 // NVFP4 1D/2D/RHT decode multiplier (reference nvfp4.decode_scale): f = (s_b * A) * fp32(1/2688) with
 // A = max(amax, fp32(2688 / FLT_MAX)) for amax > 0 (below it the encode clamped S_enc at FLT_MAX; 0 and NaN stay), and
 // s_b * (A * fp32(1/2688)) where s_b * A overflows (amax > 7.6e35). TE's (s_b * amax) * fp32(1/2688) in between.
-JF4_HD float Nvfp4DecodeScale(float s_b, float amax) {
+// bound256: the tensor scale on the 4over6 E4M3 bound 256 (1536 and fp32(1/1536) for 2688 and fp32(1/2688)).
+JF4_HD float Nvfp4DecodeScale(float s_b, float amax, bool bound256 = false) {
   const uint32_t b = Bits(amax);  // amax >= 0 or NaN: positive values order like their bits
-  const float a = (b != 0u && b < Bits(kDecodeAmaxFloor())) ? kDecodeAmaxFloor() : amax;
+  const float floor = bound256 ? kDecodeAmaxFloor256() : kDecodeAmaxFloor();
+  const float inv = bound256 ? kInv1536() : kInv2688();
+  const float a = (b != 0u && b < Bits(floor)) ? floor : amax;
   const float p = Mul(s_b, a);
   const bool overflow = (Bits(p) & 0x7FFFFFFFu) == 0x7F800000u;  // on the bits: the same test on both sides
-  return overflow ? Mul(s_b, Mul(a, kInv2688())) : Mul(p, kInv2688());
+  return overflow ? Mul(s_b, Mul(a, inv)) : Mul(p, inv);
 }
 
 JF4_HD float Rcp(float a) {

@@ -131,6 +131,9 @@ inline ffi::Error CheckQuantizeOrientation(int kind, int opts, bool col, bool ex
     JF4_CHECK((col ? K : M) % 16 == 0, side + ": 2D scaling needs 16x16 tiles inside each x[p], x " + Shape(P, M, K));
   }
   JF4_CHECK(!(exact && local), side + ": no exact operand for 1x64 (its window scales do not factor out)");
+  JF4_CHECK(!(nvfp4 && (opts & codes::quantize::kUse4over6) &&
+              (opts & (codes::quantize::kSr | codes::quantize::kRht | codes::quantize::kLocal1x64))),
+            side + ": 4over6 excludes stochastic rounding, RHT and 1x64");
   JF4_RETURN_IF_ERROR(CheckBuffer(data, exact ? ffi::DataType::BF16 : CodeType(kind), P * M * K, side + " data"));
   const int64_t rows = P * (col ? K : M);  // scale-matrix rows (MXFP8 columnwise viewed transposed)
   const int64_t cols = blocked / bs;

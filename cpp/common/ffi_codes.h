@@ -11,7 +11,11 @@ enum Kind : int { kNone = 0, kNvfp4 = 1, kMxfp8E4m3 = 2, kMxfp8E5m2 = 3 };
 
 // jf4_quantize / jf4_grouped_quantize: flags = row options | col options << kColShift | Flag bits.
 namespace quantize {
-enum Option : int { kSr = 1, kRht = 2, kScaling2d = 4, kLocal1x64 = 8 };  // NVFP4 options of one orientation
+// NVFP4 options of one orientation; kUse4over6: 4over6 block selection, kE4m3Max256: the tensor scale on the E4M3
+// bound 256, kErrMse: 4over6 squared-error candidates.
+enum Option : int {
+  kSr = 1, kRht = 2, kScaling2d = 4, kLocal1x64 = 8, kUse4over6 = 16, kE4m3Max256 = 32, kErrMse = 64
+};
 constexpr int kColShift = 8;
 constexpr int kOptionMask = 0xFF;
 enum Flag : int { kSwizzled = 1 << 16, kDbias = 1 << 17, kRowExact = 1 << 18, kColExact = 1 << 19 };
@@ -21,13 +25,13 @@ enum Flag : int { kSwizzled = 1 << 16, kDbias = 1 << 17, kRowExact = 1 << 18, kC
 // scale only, the exact GEMM-emulation operand.
 namespace dequantize {
 enum Flag : int {
-  kRht = 2, kLocal1x64 = 8, kSwizzled = 1 << 16, kTransposeOut = 1 << 17, kMxColumnwise = 1 << 18, kBlockOnly = 1 << 19
+  kRht = 2, kLocal1x64 = 8, kE4m3Max256 = 32, kSwizzled = 1 << 16, kTransposeOut = 1 << 17, kMxColumnwise = 1 << 18, kBlockOnly = 1 << 19
 };
 }  // namespace dequantize
 
 // jf4_grouped_dequantize flags.
 namespace grouped_dequantize {
-enum Flag : int { kColumnwise = 1, kRht = 2, kRaw = 4 };
+enum Flag : int { kColumnwise = 1, kRht = 2, kRaw = 4, kE4m3Max256 = 32 };
 }  // namespace grouped_dequantize
 
 // jf4_gemm flags: which operands carry NVFP4 1x64 window scales (1x64 pairs only with 1x64), and whether the

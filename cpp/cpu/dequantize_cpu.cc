@@ -113,7 +113,7 @@ void DequantizeRow(const Geometry& g, int64_t p, int64_t r, float* v) {
       const uint8_t* d = g.data + (row * C + 16 * j) / 2;
       float f = s_b, enc = 1.0f;
       if (local) enc = cvt::WindowEncodeScale(g.wamax[row * (C / 64) + j / 4]);
-      else if (g.amax) f = cvt::Nvfp4DecodeScale(s_b, a);
+      else if (g.amax) f = cvt::Nvfp4DecodeScale(s_b, a, g.flags & codes::dequantize::kE4m3Max256);
       for (int i = 0; i < 16; ++i) {
         const float q = dequantize::E2M1Value((d[i >> 1] >> (4 * (i & 1))) & 0xFu);
         v[16 * j + i] = local ? cvt::Div(cvt::Mul(q, s_b), enc) : cvt::Mul(q, f);

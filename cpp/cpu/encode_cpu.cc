@@ -12,6 +12,7 @@
 #include "cpu/parallel.h"
 #include "cpu/quantize_cpu.h"
 #include "dequantize/decode.cuh"
+#include "quantize/four_over_six.cuh"
 
 namespace jax_fp4 {
 namespace cpu {
@@ -69,7 +70,58 @@ JF4_CPU_INLINE void PutNvfp4(const Orientation& o, const float* v, uint32_t sc, 
   for (int i = 0; i < 16; ++i) out[i] = uint16_t(cvt::Bf16Rne(cvt::Mul(dequantize::E2M1Value(code[i]), s_b)));
 }
 
+// A 4over6 candidate's packed codes (or its exact operand) and its scale code at block j of oriented row `row`.
+void Put4over6(const Orientation& o, const four_over_six::Candidate& c, int64_t row, int64_t j, int64_t flat) {
+  o.scale[ScaleIndex(o, row, j, o.C / 16)] = uint8_t(c.sc);
+  if (!o.exact) {
+    uint8_t* out = o.data + flat / 2;  // Pack8's words, little-endian: element 2j in the low nibble of byte j
+    for (int t = 0; t < 8; ++t) out[t] = uint8_t(c.w[t >> 2] >> (8 * (t & 3)));
+    return;
+  }
+  const float s_b = cvt::E4M3Value(c.sc);
+  uint16_t* out = reinterpret_cast<uint16_t*>(o.data) + flat;
+  for (int i = 0; i < 16; ++i) {
+    out[i] = uint16_t(cvt::Bf16Rne(cvt::Mul(dequantize::E2M1Value((c.w[i >> 3] >> (4 * (i & 7))) & 0xFu), s_b)));
+  }
+}
+
+// NVFP4 4over6 (four_over_six.cuh): both candidates of every block, then the choice per block, or per 16x16 tile
+// from the 16 rows' errors in TE's tree order (2D: the band is one tile high).
+void Encode4over6Band(const Orientation& o, int64_t p, int64_t r0, int rows, const float* buf) {
+  const int64_t C = o.C, nb = C / 16;
+  const bool two_d = o.opts & k2d, mse = o.opts & kMse;
+  const float amax = o.amax[p], bound = E4m3Bound(o.opts);
+  const float enc = four_over_six::GlobalEncodeScale(amax, bound);
+  std::vector<float> tile_amax(two_d ? nb : 0, 0.0f);
+  for (int t = 0; two_d && t < rows; ++t) {
+    for (int64_t j = 0; j < nb; ++j) tile_amax[j] = cvt::AbsMax(tile_amax[j], Max16(buf + t * C + 16 * j));
+  }
+  std::vector<four_over_six::Pair> cand(size_t(rows) * nb);
+  for (int i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < nb; ++j) {
+      float v[16];
+      std::memcpy(v, buf + i * C + 16 * j, sizeof(v));
+      cand[i * nb + j] = four_over_six::Candidates(v, two_d ? tile_amax[j] : Max16(v), amax, enc, bound, mse);
+    }
+  }
+  for (int64_t j = 0; j < nb; ++j) {
+    bool tile_pick4 = false;
+    if (two_d) {
+      float e4[16], e6[16];
+      for (int i = 0; i < 16; ++i) e4[i] = cand[i * nb + j].c[0].err, e6[i] = cand[i * nb + j].c[1].err;
+      tile_pick4 = four_over_six::PickMap4(four_over_six::TileSum(e4), four_over_six::TileSum(e6));
+    }
+    for (int i = 0; i < rows; ++i) {
+      const four_over_six::Pair& c = cand[i * nb + j];
+      const bool pick4 = two_d ? tile_pick4 : four_over_six::PickMap4(c.c[0].err, c.c[1].err);
+      const int64_t row = p * o.R + r0 + i;
+      Put4over6(o, c.c[pick4 ? 0 : 1], row, j, row * C + 16 * j);
+    }
+  }
+}
+
 JF4_CPU_CLONES void EncodeNvfp4Band(const Orientation& o, int64_t p, int64_t r0, int rows, const float* buf) {
+  if (o.opts & k4over6) return Encode4over6Band(o, p, r0, rows, buf);
   const int64_t C = o.C, nb = C / 16;
   const bool local = o.opts & k1x64, sr = (o.opts & kSr) && !local, two_d = o.opts & k2d;
   const float enc = local ? 1.0f : cvt::GlobalEncodeScale(o.amax[p]);

@@ -19,7 +19,7 @@ namespace dequantize {
 enum Option : int {
   kRht = codes::dequantize::kRht, k1x64 = codes::dequantize::kLocal1x64, kSwizzled = codes::dequantize::kSwizzled,
   kTransposeOut = codes::dequantize::kTransposeOut, kMxColumnwise = codes::dequantize::kMxColumnwise,
-  kBlockOnly = codes::dequantize::kBlockOnly
+  kBlockOnly = codes::dequantize::kBlockOnly, kBound256 = codes::dequantize::kE4m3Max256
 };
 
 constexpr int kSeg = 16;

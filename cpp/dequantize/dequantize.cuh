@@ -85,7 +85,7 @@ __device__ __forceinline__ void DecodeSegment(const Args& a, int64_t row, int64_
       f = s_b;
     } else {
       const float amax = __ldg(a.amax + (a.amax_per_p ? row / a.R : 0));
-      f = cvt::Nvfp4DecodeScale(s_b, amax);  // (s_b * amax) * fp32(1/2688), range-safe
+      f = cvt::Nvfp4DecodeScale(s_b, amax, a.flags & kBound256);  // (s_b * amax) * fp32(1/2688), range-safe
     }
     float q[2][8];
     E2M1xN<8>(w.x, q[0]);
@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(kThreads) FlatKernel(const Args a, Idx num_run
       mult[j] = cvt::E4M3Value(code);
     } else {
       const float amax = __ldg(a.amax + (a.amax_per_p ? e / (Idx(a.R) * C) : Idx(0)));
-      mult[j] = cvt::Nvfp4DecodeScale(cvt::E4M3Value(code), amax);
+      mult[j] = cvt::Nvfp4DecodeScale(cvt::E4M3Value(code), amax, a.flags & kBound256);
     }
   }
 #pragma unroll

@@ -206,7 +206,7 @@ __device__ __forceinline__ SegmentScale ScaleOf(const Args& a, const RawSegments
     s.mult = sb;
     s.enc = cvt::WindowEncodeScale(raw.window[r]);
   } else {
-    s.mult = (a.flags & kBlockOnly) ? sb : cvt::Nvfp4DecodeScale(sb, amax);
+    s.mult = (a.flags & kBlockOnly) ? sb : cvt::Nvfp4DecodeScale(sb, amax, a.flags & kBound256);
   }
   return s;
 }

@@ -299,8 +299,8 @@ __global__ void __launch_bounds__(kThreads, QuantizeMinBlocks<In, kRow, kCol, kP
   const int64_t m_tiles = (a.M + kTile - 1) / kTile;
   const int row_opts = kPlain ? 0 : a.row_opts, col_opts = kPlain ? 0 : a.col_opts;
   const bool row_tab = kRow == kNvfp4 && !(row_opts & k1x64), col_tab = kCol == kNvfp4 && !(col_opts & k1x64);
-  const float enc_row = row_tab ? cvt::GlobalEncodeScale(a.amax_row[p]) : 1.0f;
-  const float enc_col = col_tab ? cvt::GlobalEncodeScale(a.amax_col[p]) : 1.0f;
+  const float enc_row = row_tab ? TensorEncodeScale(a.amax_row[p], row_opts) : 1.0f;
+  const float enc_col = col_tab ? TensorEncodeScale(a.amax_col[p], col_opts) : 1.0f;
   if constexpr (kRow == kNvfp4 || kCol == kNvfp4) {  // MXFP8 kernels start loading at once
     if (row_tab) MultiplierTable(tab[0], enc_row, 0);
     if (col_tab) MultiplierTable(tab[1], enc_col, 128);

@@ -12,6 +12,7 @@
 #include "common/convert.cuh"
 #include "common/e2m1.cuh"
 #include "dequantize/decode.cuh"
+#include "quantize/four_over_six.cuh"
 #include "quantize/options.h"
 
 namespace jax_fp4 {
@@ -312,7 +313,45 @@ struct TileShared {
   float row_tile_amax[kTile][4];  // rowwise 1x16 block amaxes (2D tiles)
   float col_red[4][kTile];        // columnwise segment amaxes (MXFP8 pairs, 2D tiles, 1x64 windows)
   float col_sum[4][kTile];        // dbias partials
+  float err46[2][4 * kTile];      // 4over6 2D: each segment's map-to-4 / map-to-6 error (thread-indexed)
 };
+
+// NVFP4 tensor encode scale of one orientation: S_enc on the E4M3 bound its options give (448, or 256 for 4over6).
+__device__ __forceinline__ float TensorEncodeScale(float amax, int opts) {
+  return (opts & kBound256) ? four_over_six::GlobalEncodeScale(amax, 256.0f) : cvt::GlobalEncodeScale(amax);
+}
+
+// 4over6 of one segment (four_over_six.cuh): both candidates, the choice (2D: per 16x16 tile, from the errors of
+// the tile's 16 segments `slot0 + i * stride` exchanged through sh.err46 in TE's tree order; the barrier is reached
+// by every thread), and, when `in`, the chosen codes (or exact operand) at dst. Returns the chosen scale code.
+__device__ __forceinline__ uint32_t Encode4over6(const float (&v)[16], float bamax, float amax, float enc, int opts,
+                                                 TileShared& sh, int slot, int slot0, int stride, bool in,
+                                                 uint8_t* dst, bool exact) {
+  const four_over_six::Pair c = four_over_six::Candidates(v, bamax, amax, enc, E4m3Bound(opts), opts & kMse);
+  bool pick4 = four_over_six::PickMap4(c.c[0].err, c.c[1].err);
+  if (opts & k2d) {
+    sh.err46[0][slot] = c.c[0].err;
+    sh.err46[1][slot] = c.c[1].err;
+    __syncthreads();
+    float e4[16], e6[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      e4[i] = sh.err46[0][slot0 + i * stride];
+      e6[i] = sh.err46[1][slot0 + i * stride];
+    }
+    pick4 = four_over_six::PickMap4(four_over_six::TileSum(e4), four_over_six::TileSum(e6));
+  }
+  const four_over_six::Candidate& s = pick4 ? c.c[0] : c.c[1];
+  if (in) {
+    const uint2 w = make_uint2(s.w[0], s.w[1]);
+    if (exact) {
+      StoreExactNvfp4(w, s.sc, dst);
+    } else {
+      *reinterpret_cast<uint2*>(dst) = w;
+    }
+  }
+  return s.sc;
+}
 
 // ---- rowwise steps: thread (lr, cg) holds row segment v = x[p][m, k..k+16), m = m0 + lr, k = k0 + 16 cg ----------
 // NVFP4 rowwise: block amax (2D: the 16x16 tile's, exchanged through shared memory, so the branch on k2d is uniform and
@@ -334,6 +373,15 @@ __device__ __forceinline__ void RowNvfp4(const Args& a, int opts, float (&v)[16]
 #pragma unroll
     for (int r = 0; r < 16; ++r) tm = fmaxf(tm, sh.row_tile_amax[r0 + r][cg]);
     bamax = tm;
+  }
+  if (opts & k4over6) {  // thread (lr, cg) is slot 4 lr + cg; its tile's rows are lr & ~15 .. + 15
+    uint8_t* dst = exact ? a.row_data + 2 * flat : a.row_data + flat / 2;
+    const uint32_t sc = Encode4over6(v, bamax, a.amax_row[p], enc_row, opts, sh, 4 * lr + cg, 4 * (lr & ~15) + cg, 4,
+                                     row_in, dst, exact);
+    if (row_in) {
+      a.row_scale[a.swizzled ? SwizzledIndex(p * M + m, k >> 4, a.row_scale_cols_padded) : flat >> 4] = uint8_t(sc);
+    }
+    return;
   }
   if (row_in) {
     const bool local = opts & k1x64;
@@ -429,6 +477,16 @@ __device__ __forceinline__ void ColNvfp4(const Args& a, int opts, const float (&
 #pragma unroll
     for (int j = 0; j < 16; ++j) tm = fmaxf(tm, sh.col_red[rb][c0 + j]);
     bamax = tm;
+  }
+  if (opts & k4over6) {  // thread (lc, rb) is slot 64 rb + lc; its tile's columns are lc & ~15 .. + 15
+    const int64_t flat = (p * K + kc) * M + mc;
+    uint8_t* dst = exact ? a.col_data + 2 * flat : a.col_data + flat / 2;
+    const uint32_t sc = Encode4over6(c, bamax, a.amax_col[p], enc_col, opts, sh, 64 * rb + lc, 64 * rb + (lc & ~15),
+                                     1, col_in, dst, exact);
+    if (col_in) {
+      a.col_scale[a.swizzled ? SwizzledIndex(p * K + kc, mc >> 4, a.col_scale_cols_padded) : flat >> 4] = uint8_t(sc);
+    }
+    return;
   }
   if (!col_in) return;
   const bool local = opts & k1x64;

@@ -28,6 +28,9 @@ class QuantizeOption(enum.IntFlag):
     RHT = 2
     SCALING_2D = 4
     LOCAL_1X64 = 8
+    USE_4OVER6 = 16  # 4over6 block selection (NVFP4(use_4over6=True))
+    E4M3_MAX_256 = 32  # the tensor scale on the E4M3 bound 256 (NVFP4.global_e4m3_max)
+    ERR_MSE = 64  # 4over6 candidate error: squared differences (err_mode_4over6="MSE")
 
 
 COL_SHIFT = 8  # flags = row options | col options << COL_SHIFT | QuantizeFlag bits (C++ codes::quantize::kColShift)
@@ -49,6 +52,7 @@ class DequantizeFlag(enum.IntFlag):
 
     RHT = 2
     LOCAL_1X64 = 8
+    E4M3_MAX_256 = 32  # NVFP4 tensor scale on the E4M3 bound 256: amax * fp32(1/1536)
     SWIZZLED = 1 << 16
     TRANSPOSE_OUT = 1 << 17
     MX_COLUMNWISE = 1 << 18
@@ -61,6 +65,7 @@ class GroupedDequantizeFlag(enum.IntFlag):
     COLUMNWISE = 1
     RHT = 2
     RAW = 4
+    E4M3_MAX_256 = 32  # NVFP4 tensor scales on the E4M3 bound 256: amax * fp32(1/1536)
 
 
 class GemmFlag(enum.IntFlag):
@@ -84,5 +89,8 @@ def quantize_options(fmt, supported: QuantizeOption | None = None) -> int:
         return 0
     opts = ((QuantizeOption.SR if fmt.stochastic_rounding else 0) | (QuantizeOption.RHT if fmt.rht else 0)
             | (QuantizeOption.SCALING_2D if fmt.scaling_2d else 0)
-            | (QuantizeOption.LOCAL_1X64 if fmt.local_1x64 else 0))
+            | (QuantizeOption.LOCAL_1X64 if fmt.local_1x64 else 0)
+            | (QuantizeOption.USE_4OVER6 if fmt.use_4over6 else 0)
+            | (QuantizeOption.E4M3_MAX_256 if fmt.has_tensor_amax and fmt.global_e4m3_max == 256 else 0)
+            | (QuantizeOption.ERR_MSE if fmt.use_4over6 and fmt.err_mode_4over6 == "MSE" else 0))
     return int(opts if supported is None else opts & supported)

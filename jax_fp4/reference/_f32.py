@@ -219,3 +219,34 @@ def flush_subnormal(x):
     b = bits(x)
     sub = ((b & U32(0x7F800000)) == 0) & ((b & U32(0x7FFFFF)) != 0)
     return from_bits(jnp.where(sub, b & U32(0x80000000), b))
+
+
+_ADD_SMALL = U32(0x0D800000)  # 2^-100: below it both addends are scaled into the normal range first
+_TWO_64, _TWO_M64 = np.float32(2.0**64), np.float32(2.0**-64)
+
+
+def add(a, b):
+    """Correctly rounded fp32 sum a+b (RNE, subnormal operands and results kept); returns float32.
+
+    When max(|a|, |b|) >= 2^-100 the platform's fp32 add is exact IEEE even under DAZ / FTZ: a subnormal addend is
+    below half an ulp of the other operand (so RN ignores it), and a cancellation leaves a multiple of at least 2^-124,
+    a normal number. Below 2^-100 both addends are multiples of 2^-149: scaled by 2^64 (exact, `mul`) they are
+    normals, their rounded sum is RN(a + b) * 2^64 (an exact sum in the subnormal range has at most 23 significant
+    bits), and the exact `mul` by 2^-64 brings it back, subnormal or not.
+    """
+    a = jnp.asarray(a, jnp.float32)
+    b = jnp.asarray(b, jnp.float32)
+    ma, mb = bits(a) & U32(0x7FFFFFFF), bits(b) & U32(0x7FFFFFFF)
+    small = jnp.maximum(ma, mb) < _ADD_SMALL
+    scaled = mul(mul(a, _TWO_64) + mul(b, _TWO_64), _TWO_M64)
+    return jnp.where(small, scaled, a + b)
+
+
+def neg(x):
+    """-x on the bit pattern (exact for subnormals and NaN payloads)."""
+    return from_bits(bits(x) ^ U32(0x80000000))
+
+
+def abs_(x):
+    """|x| on the bit pattern (exact for subnormals)."""
+    return from_bits(bits(x) & U32(0x7FFFFFFF))

@@ -68,7 +68,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_fp4.formats import MXFP8, NVFP4, Format
-from jax_fp4.reference import _f32, codes, mxfp8, nvfp4, rht, sr
+from jax_fp4.reference import _f32, codes, mxfp8, nvfp4, nvfp4_4over6, rht, sr
 from jax_fp4.reference.amax import abs_bits
 from jax_fp4.validation import (  # the grouped input checks, shared with the ops
     Representation,
@@ -320,7 +320,11 @@ def _nvfp4_blocks(y, fmt: NVFP4, gb, lb, n: int, key_words, given=None):
         amax = _f32.from_bits(jax.ops.segment_max(bbits, gb, num_segments=n, indices_are_sorted=True))
     else:
         amax = jnp.asarray(given, jnp.float32).reshape(n)
-    s_enc = nvfp4.global_encode_scale(amax)  # [N]
+    s_enc = nvfp4.global_encode_scale(amax, fmt.global_e4m3_max)  # [N]
+    if fmt.use_4over6:
+        q, sc = nvfp4_4over6.encode_blocks(y.reshape(-1, bs), _f32.from_bits(bbits), amax[gb], s_enc[gb],
+                                           fmt.global_e4m3_max, fmt.err_mode_4over6, None)
+        return q.reshape(-1), sc, amax
     rbytes = _sr_bytes(key_words, gb, lb) if fmt.stochastic_rounding else None
     q, sc = nvfp4.encode_blocks(y.reshape(-1, bs), _f32.from_bits(bbits), s_enc[gb], rbytes)
     return q.reshape(-1), sc, amax

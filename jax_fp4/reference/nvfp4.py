@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 
 from jax_fp4.formats import NVFP4
-from jax_fp4.reference import _f32, codes, rht, sr
+from jax_fp4.reference import _f32, codes, nvfp4_4over6, rht, sr
 from jax_fp4.reference.amax import abs_bits
 
 F32 = jnp.float32
@@ -47,15 +47,16 @@ def _min_flt_max(v):
     return jnp.where(_f32.bits(v) > _f32.bits(_f32.FLT_MAX), _f32.FLT_MAX, v)
 
 
-def global_encode_scale(amax):
-    """S_enc = min(2688 / amax, FLT_MAX); 1 where amax == 0 or S_enc == 0 (amax = inf). fp32.
+def global_encode_scale(amax, e4m3_max: int = 448):
+    """S_enc = min(6 * e4m3_max / amax, FLT_MAX) (2688 / amax, or 1536 / amax on the 4over6 bound 256); 1 where
+    amax == 0 or S_enc == 0 (amax = inf). fp32.
 
     The result passes an optimization barrier: without it XLA:CPU (jax 0.12) may fuse the exact integer division into
     every element's encode, and inside a `lax.scan` body it then spent over 20 minutes compiling one NVFP4 quantize
     (tests/test_quantize_ops.py, 3.5 s with jax 0.10.2). The barrier changes no value.
     """
     amax = jnp.asarray(amax, F32)
-    s = _min_flt_max(_f32.div(ENC_NUMERATOR, amax))
+    s = _min_flt_max(_f32.div(np.float32(FP4_MAX * e4m3_max), amax))
     return lax.optimization_barrier(jnp.where(_f32.is_zero(amax) | _f32.is_zero(s), F32(1), s))
 
 
@@ -112,8 +113,13 @@ def quantize_with_amax(y, fmt: NVFP4, amax, key_words=None) -> NVFP4Parts:
     if fmt.scaling_2d:
         bamax = _tile_amax_2d(bamax, fmt.tile_2d)
     blocks = y.reshape(*y.shape[:-1], y.shape[-1] // bs, bs)
+    s_enc = global_encode_scale(amax, fmt.global_e4m3_max)
+    if fmt.use_4over6:
+        q, sc = nvfp4_4over6.encode_blocks(blocks, bamax, amax, s_enc, fmt.global_e4m3_max, fmt.err_mode_4over6,
+                                           fmt.tile_2d if fmt.scaling_2d else None)
+        return NVFP4Parts(q.reshape(y.shape), sc, amax, None)
     rbytes = None if key_words is None else sr.random_bytes_from_words(key_words, y.shape).reshape(blocks.shape)
-    q, sc = encode_blocks(blocks, bamax, global_encode_scale(amax), rbytes)
+    q, sc = encode_blocks(blocks, bamax, s_enc, rbytes)
     return NVFP4Parts(q.reshape(y.shape), sc, amax, None)
 
 
@@ -152,8 +158,19 @@ def window_nan(x, axis: int):
     return jnp.any(y.reshape(*y.shape[:-1], y.shape[-1] // NVFP4.window_size, NVFP4.window_size), axis=-1)
 
 
-def decode_amax(amax):
-    """The tensor amax the decode uses: max(amax, fp32(2688 / FLT_MAX)) for amax > 0 (0 and NaN stay).
+def _decode_amax_floor(e4m3_max):
+    return DECODE_AMAX_FLOOR if e4m3_max == 448 else np.float32(np.float32(FP4_MAX * e4m3_max) / _f32.FLT_MAX)
+
+
+def _inv_enc_numerator(e4m3_max):
+    """fp32(1 / (6 * e4m3_max)): fp32(1/2688), or fp32(1/1536) on the 4over6 bound (TE dequantize_nvfp4.cuh
+    `factor_inv`)."""
+    return np.float32(1.0 / (FP4_MAX * e4m3_max))
+
+
+def decode_amax(amax, e4m3_max: int = 448):
+    """The tensor amax the decode uses: max(amax, fp32(2688 / FLT_MAX)) for amax > 0 (0 and NaN stay); on the
+    4over6 bound (e4m3_max = 256) the floor is fp32(1536 / FLT_MAX).
 
     Below 7.9e-36 the encode clamps S_enc = 2688 / amax at FLT_MAX; decoding with the clamped S_enc, i.e. with the
     amax 2688 / FLT_MAX, keeps quantize and dequantize consistent there (TE decodes with amax / 2688 and is off by
@@ -162,23 +179,26 @@ def decode_amax(amax):
     """
     amax = jnp.asarray(amax, F32)
     b = _f32.bits(amax)  # on the bits: a subnormal amax is not flushed to 0 by XLA:CPU
-    small = (b != jnp.uint32(0)) & (b < _f32.bits(DECODE_AMAX_FLOOR))
-    return jnp.where(small, DECODE_AMAX_FLOOR, amax)
+    floor = _decode_amax_floor(e4m3_max)
+    small = (b != jnp.uint32(0)) & (b < _f32.bits(floor))
+    return jnp.where(small, floor, amax)
 
 
-def tensor_decode_scale(amax):
-    """float32 decode_amax(amax) * fp32(1/2688): the tensor scale of the GEMM emulation (block scales apart)."""
-    return decode_amax(amax) * INV_ENC_NUMERATOR
+def tensor_decode_scale(amax, e4m3_max: int = 448):
+    """float32 decode_amax(amax) * fp32(1/2688) (fp32(1/1536) on the 4over6 bound 256, `NVFP4.global_e4m3_max`):
+    the tensor scale of the GEMM emulation (block scales apart)."""
+    return decode_amax(amax, e4m3_max) * _inv_enc_numerator(e4m3_max)
 
 
-def decode_scale(s_b, amax):
+def decode_scale(s_b, amax, e4m3_max: int = 448):
     """The 1D/2D/RHT decode multiplier of a block: f = (s_b * A) * fp32(1/2688), A = decode_amax(amax) (TE's
     association), or s_b * (A * fp32(1/2688)) where s_b * A overflows fp32 (amax > FLT_MAX / 448 = 7.6e35; TE's
     association gives inf there). Exact products (`_f32.mul`), so subnormal factors are kept on every platform."""
-    a = decode_amax(amax)
+    a = decode_amax(amax, e4m3_max)
+    inv = _inv_enc_numerator(e4m3_max)
     p = _f32.mul(s_b, a)
     inf = (_f32.bits(p) & jnp.uint32(0x7FFFFFFF)) == jnp.uint32(0x7F800000)
-    return jnp.where(inf, _f32.mul(s_b, _f32.mul(a, INV_ENC_NUMERATOR)), _f32.mul(p, INV_ENC_NUMERATOR))
+    return jnp.where(inf, _f32.mul(s_b, _f32.mul(a, inv)), _f32.mul(p, inv))
 
 
 def dequantize(q_codes, scale_codes, amax, window_amax, fmt: NVFP4):
@@ -197,7 +217,7 @@ def dequantize(q_codes, scale_codes, amax, window_amax, fmt: NVFP4):
         s_enc_b = lax.optimization_barrier(jnp.repeat(s_enc_w, fmt.window_size // bs, axis=-1))  # see quantize_1x64
         x = _f32.div(_f32.mul(v, s_b[..., None]), s_enc_b[..., None])
     else:
-        f = decode_scale(s_b, amax)
+        f = decode_scale(s_b, amax, fmt.global_e4m3_max)
         x = _f32.mul(v, f[..., None])
     x = x.reshape(q_codes.shape)
     return rht.inverse(x) if fmt.rht else x

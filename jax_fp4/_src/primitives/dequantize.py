@@ -175,6 +175,7 @@ def flags(fmt, scale_layout, mx_columnwise, transpose_out) -> int:
     f |= DequantizeFlag.MX_COLUMNWISE if mx_columnwise else 0
     f |= DequantizeFlag.TRANSPOSE_OUT if transpose_out else 0
     f |= (DequantizeFlag.RHT if fmt.rht else 0) | (DequantizeFlag.LOCAL_1X64 if fmt.local_1x64 else 0)
+    f |= DequantizeFlag.E4M3_MAX_256 if fmt.has_tensor_amax and fmt.global_e4m3_max == 256 else 0
     return int(f)
 
 

@@ -81,7 +81,7 @@ def exact_operand(q: QuantizedArray):
     if not q.fmt.exact_operand_ok:  # NVFP4 1x64: the window scales do not factor out of the sum
         return dequantize_array(q, jnp.float32), None
     if q.fmt.has_tensor_amax:
-        return block_scaled_values(q), tensor_decode_scale(q.amax)
+        return block_scaled_values(q), tensor_decode_scale(q.amax, q.fmt.global_e4m3_max)
     return dequantize_array(q, jnp.bfloat16), None
 
 
@@ -104,6 +104,8 @@ def kernel_formats_ok(fa, fb) -> bool:
     """Whether the kernel takes a pair of formats: any NVFP4 (1D / 2D / RHT) / MXFP8 E4M3 / E5M2 pairing, or NVFP4
     1x64 with NVFP4 1x64 (the window promotion needs both operands windowed)."""
     if not (isinstance(fa, Format) and isinstance(fb, Format)):
+        return False
+    if fa.use_4over6 or fb.use_4over6:  # the kernel's tensor scale is amax * fp32(1/2688) (the 448 bound) only
         return False
     return fa.local_1x64 == fb.local_1x64
 

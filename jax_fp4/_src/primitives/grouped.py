@@ -305,7 +305,9 @@ def kernel_quantize(x, first_dims, last_dims, key_row, key_col, amax_in, *, row_
     """The FFI lowering's function (module docstring semantics; the reference beyond `max_groups` groups)."""
     params = dict(row_fmt=row_fmt, col_fmt=col_fmt, representation=representation, dbias=dbias,
                   amax_given=amax_given)
-    if max_groups is not None and first_dims.shape[0] > max_groups:
+    if (max_groups is not None and first_dims.shape[0] > max_groups) or any(
+            f is not None and f.use_4over6 for f in (row_fmt, col_fmt)):
+        # (the grouped kernels have no 4over6 encode: the reference serves it)
         return reference_quantize(x, first_dims, last_dims, key_row, key_col, amax_in, **params)
     outs = _kernel_quantize(x, first_dims, last_dims, key_row, key_col, amax_in, row_fmt=row_fmt, col_fmt=col_fmt,
                             amax_given=amax_given)
@@ -316,7 +318,8 @@ def kernel_quantize(x, first_dims, last_dims, key_row, key_col, amax_in, *, row_
 def kernel_dequantize(data, scale, amax, first_dims, last_dims, *, fmt, axis, x_shape, out_dtype, raw,
                       max_groups=None):
     """The FFI lowering's function of `jf4_grouped_dequantize` (the reference beyond `max_groups` groups)."""
-    if max_groups is not None and first_dims.shape[0] > max_groups:
+    bound256 = fmt.has_tensor_amax and fmt.global_e4m3_max == 256 and not raw  # no kernel decode on that bound
+    if (max_groups is not None and first_dims.shape[0] > max_groups) or bound256:
         return reference_dequantize(data, scale, amax, first_dims, last_dims, fmt=fmt, axis=axis, x_shape=x_shape,
                                     out_dtype=out_dtype, raw=raw)
     if raw or not _tensor_scale(fmt):
