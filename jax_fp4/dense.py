@@ -30,7 +30,6 @@ from jax_fp4 import blocking as _blocking
 from jax_fp4._src.dimension_numbers import canonical_dimension_numbers
 from jax_fp4._src.vjp_util import dtype_tag, operand_keys, reverse_mode_only
 from jax_fp4.distributed import fsdp_axes, gather_quantized, reduced_product, reduces_in_output_dtype
-from jax_fp4.formats import NVFP4
 from jax_fp4.gemm import (
     ExactOperand,
     exact_dot_general,
@@ -56,7 +55,7 @@ _WGRAD = (((0,), (0,)), ((), ()))  # x[M, K] . dy[M, N] over M
 def _exact_ok(fmt, wanted) -> bool:
     """Whether an orientation is returned as an ExactOperand: wanted (consumed at once by an emulated GEMM) and a
     format whose block scales factor out of the product (not 1x64, not unquantized)."""
-    return wanted and fmt is not None and not (isinstance(fmt, NVFP4) and fmt.local_1x64)
+    return wanted and fmt is not None and fmt.exact_operand_ok
 
 
 def _quantize_pair(a, row_fmt, col_fmt, key, dbias=False, exact=(False, False)):
@@ -103,7 +102,7 @@ def _gemm(a, b, dn, route, out_dtype=jnp.float32, bias=None, reduce_out=False):
 
 def _window_pad(fmt, n: int) -> int:
     """Zero rows / columns that make n a multiple of the 1x64 encode's 64 (0 for other formats)."""
-    return -n % NVFP4.window_size if isinstance(fmt, NVFP4) and fmt.local_1x64 else 0
+    return -n % fmt.window_size if fmt is not None and fmt.local_1x64 else 0
 
 
 def _forward(recipe, implementation, x2, w, bias, key):

@@ -74,7 +74,9 @@ def _has_nan(x, *fmts):
     """
     if not any(f is not None and f.has_tensor_amax for f in fmts) or x.size == 0:
         return None
-    return jnp.any(jnp.isnan(x))
+    # a float32 max (not a bool any): under sharding its cross-shard reduction is a float32 max all-reduce like
+    # the amax's, which XLA combines into one collective (docs/numerics.md "Distributed training")
+    return jnp.max(jnp.isnan(x).astype(jnp.float32)) > 0
 
 
 def _wamax(fmt, w, shape, x, axis):
