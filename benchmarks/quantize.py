@@ -89,6 +89,12 @@ VARIANTS = [
     Variant("mixed", "nvfp4 row + mxfp8 col", NVFP4(), MXFP8()),
     Variant("mxfp8_rowcol_dbias", "mxfp8 row+col + dbias", MXFP8(), MXFP8(), dbias=True),
     Variant("nvfp4_2d", "nvfp4 2D row+col", NVFP4(scaling_2d=True), NVFP4(scaling_2d=True)),
+    # 4over6 (two candidate encodes and their errors per block) next to the plain variants above
+    Variant("nvfp4_4over6_row", "nvfp4 4over6 row", NVFP4(use_4over6=True), None, axis=-1),
+    Variant("nvfp4_4over6_rowcol", "nvfp4 4over6 row+col", NVFP4(use_4over6=True), NVFP4(use_4over6=True)),
+    Variant("nvfp4_4over6_mixed", "nvfp4 4over6 row + mxfp8 col", NVFP4(use_4over6=True), MXFP8()),
+    Variant("nvfp4_4over6_2d", "nvfp4 4over6 2D row+col", NVFP4(use_4over6=True, scaling_2d=True),
+            NVFP4(use_4over6=True, scaling_2d=True)),
     Variant("nvfp4_rht_col", "nvfp4 RHT col", None, NVFP4(rht=True), axis=0),
     Variant("nvfp4_sr", "nvfp4 SR row+col", NVFP4(stochastic_rounding=True), NVFP4(stochastic_rounding=True)),
     Variant("nvfp4_1x64", "nvfp4 1x64 row+col", NVFP4(local_1x64=True), NVFP4(local_1x64=True)),

@@ -46,6 +46,10 @@ def cases():
     out.append(("q", "bf16", (64, 48), 0, N(), 0, "compact"))
     for fmt in (N(), N(scaling_2d=True), N(rht=True), M(), N(local_1x64=True)):
         out.append(("q", "bf16", (3, 64, 128), 0, fmt, 1, "compact"))
+    for fmt in (N(use_4over6=True), N(use_4over6=True, scaling_2d=True), N(use_4over6=True, err_mode_4over6="MSE")):
+        for axis in (-1, 0):
+            out.append(("q", "bf16", (256, 192), 0, fmt, axis, "swizzled" if axis else "compact"))
+            out.append(("q", "f32", (128, 128), -120, fmt, axis, "compact"))
     out.append(("q", "bf16", (0, 64), 0, N(), -1, "compact"))
     out.append(("q", "bf16", (64, 0), 0, M(), 0, "swizzled"))
     pairs = [(N(), N()), (M(), M()), (N(), M()), (N(), M(element="e5m2")), (N(scaling_2d=True), N(scaling_2d=True)),
