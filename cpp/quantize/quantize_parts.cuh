@@ -466,7 +466,7 @@ __device__ __forceinline__ void ColDbias(const Args& a, const TileShared& sh, in
 
 // NVFP4 columnwise encode after the barrier (if ColNeedsExchange): block amax (1D: seg_amax, the segment's own; 2D:
 // the 16 columns' segment amaxes; 1x64: the window of 4 segments), data (x[p].T layout) and scale stores.
-__device__ __forceinline__ void ColNvfp4(const Args& a, int opts, const float (&c)[16], const TileShared& sh, int lc,
+__device__ __forceinline__ void ColNvfp4(const Args& a, int opts, const float (&c)[16], TileShared& sh, int lc,
                                          int rb, bool col_in, int64_t p, int64_t kc, int64_t mc, float enc_col,
                                          const float* tab_col, bool exact, float seg_amax) {
   const int64_t M = a.M, K = a.K;
