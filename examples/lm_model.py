@@ -306,10 +306,11 @@ def _scan_fn(policy):
     return scan
 
 
-def make_model(cfg: ModelConfig, recipe: Recipe, seed: int, mesh=None, segments=None) -> GPT:
+def make_model(cfg: ModelConfig, recipe: Recipe, seed: int, mesh=None, segments=None, dtype=jnp.bfloat16) -> GPT:
     """A fresh model; with a mesh its parameters are annotated (`build` places them sharded; the same values as
-    without). segments: the scanned stacks' block runs (see GPT)."""
-    return GPT(cfg, recipe, nnx.Rngs(params=seed, quantize=seed + 1), mesh=mesh, segments=segments)
+    without). segments: the scanned stacks' block runs (see GPT); dtype: the compute dtype (float32 in tests that
+    compare layouts without bfloat16 rounding)."""
+    return GPT(cfg, recipe, nnx.Rngs(params=seed, quantize=seed + 1), dtype=dtype, mesh=mesh, segments=segments)
 
 
 def loss_terms(model: GPT, batch):
