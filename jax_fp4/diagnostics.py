@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_fp4._src.primitives.dequantize import dequantize_array
 from jax_fp4._src.vjp_util import operand_keys
 from jax_fp4.dense import dense as _dense
 from jax_fp4.formats import MXFP8, NVFP4
@@ -110,8 +111,7 @@ def quantization_stats(x, q: QuantizedArray) -> jax.Array:
     rht_on = fmt.rht
     if rht_on:  # compare where the quantization happens: the transformed values (block axis last, then back)
         xd = jnp.moveaxis(rht.forward(jnp.moveaxis(x, q.axis, -1)), -1, q.axis)
-        qd = QuantizedArray(q.data, q.scale, q.amax, q.window_amax, fmt=fmt.replace(rht=False), axis=q.axis)
-        xhat = dequantize(qd, jnp.float32)
+        xhat = dequantize_array(q, jnp.float32, inverse_rht=False)
     else:
         xd, xhat = x, dequantize(q, jnp.float32)
     err = x - dequantize(q, jnp.float32) if rht_on else xd - xhat

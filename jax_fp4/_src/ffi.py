@@ -218,6 +218,16 @@ def cpu_targets() -> tuple[str, ...]:
     return _registered.get("cpu", ())
 
 
+def has_cuda_target(*names: str) -> bool:
+    """Whether the CUDA extension registered every one of the FFI targets `names`."""
+    return ensure_registered() and set(names) <= set(targets())
+
+
+def has_cpu_target(*names: str) -> bool:
+    """Whether the CPU extension registered every one of the FFI targets `names`."""
+    return ensure_cpu_registered() and set(names) <= set(cpu_targets())
+
+
 _reference_on_cpu = 0  # depth of reference_lowering_on_cpu() contexts
 
 

@@ -201,11 +201,12 @@ def decode_scale(s_b, amax, e4m3_max: int = 448):
     return jnp.where(inf, _f32.mul(s_b, _f32.mul(a, inv)), _f32.mul(p, inv))
 
 
-def dequantize(q_codes, scale_codes, amax, window_amax, fmt: NVFP4):
+def dequantize(q_codes, scale_codes, amax, window_amax, fmt: NVFP4, inverse_rht: bool = True):
     """NVFP4 codes [..., n] + E4M3 scale codes [..., n/16] -> float32 values [..., n] (block axis last).
 
     1D/2D: x = value(q) * decode_scale(s_b, amax) (TE's (s_b * amax) * fp32(1/2688) for amax in [7.9e-36, 7.6e35]);
-    1x64: x = (value(q) * s_b) / S_enc,w (NaN for a NaN window amax); RHT: then @ H.T.
+    1x64: x = (value(q) * s_b) / S_enc,w (NaN for a NaN window amax); RHT: then @ H.T (inverse_rht=False: the values
+    stay in the transformed domain).
     """
     bs = fmt.block_size
     v = codes.e2m1_value(q_codes).reshape(*q_codes.shape[:-1], q_codes.shape[-1] // bs, bs)
@@ -220,4 +221,4 @@ def dequantize(q_codes, scale_codes, amax, window_amax, fmt: NVFP4):
         f = decode_scale(s_b, amax, fmt.global_e4m3_max)
         x = _f32.mul(v, f[..., None])
     x = x.reshape(q_codes.shape)
-    return rht.inverse(x) if fmt.rht else x
+    return rht.inverse(x) if fmt.rht and inverse_rht else x

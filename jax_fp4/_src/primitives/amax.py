@@ -25,6 +25,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_fp4._src import ffi as _ffi
 from jax_fp4._src.primitives import partitioning
+from jax_fp4._src.primitives.partitioning_base import register_lowerings
 from jax_fp4._src.primitives._common import def_impl
 from jax_fp4.reference.amax import amax as _reference_amax
 
@@ -64,15 +65,9 @@ def _reference(x):
 
 
 # Default lowering: the exact pure-JAX reference (CPU, TPU, and CUDA without the extension).
-_reference_rule = partitioning.lowering(amax_p, mlir.lower_fun(_reference, multiple_results=False), "amax")
-mlir.register_lowering(amax_p, _reference_rule)
-
-if _ffi.ensure_registered():
-    mlir.register_lowering(amax_p, partitioning.lowering(amax_p, jax.ffi.ffi_lowering(FFI_TARGET), "amax"),
-                           platform="cuda")
-if _ffi.ensure_cpu_registered() and FFI_TARGET in _ffi.cpu_targets():
-    mlir.register_lowering(amax_p, _ffi.cpu_rule(
-        partitioning.lowering(amax_p, jax.ffi.ffi_lowering(FFI_TARGET), "amax"), _reference_rule), platform="cpu")
+register_lowerings(amax_p, partitioning.amax, mlir.lower_fun(_reference, multiple_results=False),
+                   cuda=jax.ffi.ffi_lowering(FFI_TARGET) if _ffi.ensure_registered() else None,
+                   cpu=jax.ffi.ffi_lowering(FFI_TARGET) if _ffi.has_cpu_target(FFI_TARGET) else None)
 
 
 def _batch_rule(batched_args, batch_dims, **params):

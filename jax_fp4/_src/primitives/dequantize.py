@@ -9,12 +9,14 @@ Operands (`dequantize_array` views a QuantizedArray as [P, R, C]):
     [rows, cols] = [P*R, C/bs] (MXFP8 columnwise: [P*C, R/32], rows ordered (p, c)).
   amax: float32 [1] or [P] (NVFP4 1D/2D/RHT: the tensor amax, one per p once vmap folded a batch into P);
     float32 [0] for formats without a tensor scale. NVFP4 1D/2D/RHT with float32 [0]: block scales only, i.e.
-    value(q) * s_b (then the inverse RHT if fmt.rht) -- exact in bfloat16, the operand of the GEMM emulation, which
+    value(q) * s_b (then the inverse RHT if fmt.rht and inverse_rht) -- exact in bfloat16, the operand of the GEMM emulation, which
     applies the tensor scale after the product (`jax_fp4.gemm.exact_operand`).
   window_amax: float32 [P, R, C/64] (NVFP4 1x64), else float32 [0].
 Static parameters: fmt, out_dtype (float32 / bfloat16 / float16), scale_layout ("compact" / "swizzled"),
   mx_columnwise (MXFP8 blocks along R), transpose_out (NVFP4 whose block axis is not x's last: the result is
-  [P, C, R], x's own layout), local (set by the sharding rule's per-shard body).
+  [P, C, R], x's own layout), inverse_rht (default True; False leaves an RHT tensor's values in the transformed
+  domain: the GEMM emulation's operands, whose transforms cancel in the product), local (set by the sharding rule's
+  per-shard body).
 Result: out_dtype [P, R, C] ([P, C, R] with transpose_out), rounded once from fp32 (RNE, canonical NaN).
 
 Constraints (abstract eval; `ValueError` naming the shapes, dtypes and format): data of rank 3 and the format's
@@ -43,6 +45,7 @@ from jax.interpreters import ad, batching, mlir
 from jax_fp4._src import ffi as _ffi
 from jax_fp4._src.ffi_codes import DequantizeFlag
 from jax_fp4._src.primitives import partitioning
+from jax_fp4._src.primitives.partitioning_base import register_lowerings
 from jax_fp4._src.primitives._common import def_impl
 from jax_fp4._src.primitives.swizzle import padded_shape, unswizzle_p
 from jax_fp4.formats import MXFP8, NVFP4
@@ -79,7 +82,7 @@ def _check_operand(where, name, a, shape, dtype):
 
 
 def _abstract_eval(data, scale, amax, window_amax, *, fmt, out_dtype, scale_layout, mx_columnwise, transpose_out,
-                   local=False):
+                   inverse_rht=True, local=False):
     where = f"jf4_dequantize: data {jnp.dtype(data.dtype).name}{list(data.shape)} ({fmt!r})"
     if not isinstance(fmt, (NVFP4, MXFP8)):
         raise ValueError(f"{where}: expected a jax_fp4 format, got {fmt!r}")
@@ -130,7 +133,7 @@ def _compact_from_swizzled(fmt, scale, shape, mx_columnwise):
 
 
 def reference_dequantize(data, scale, amax, window_amax, *, fmt, out_dtype, scale_layout, mx_columnwise,
-                         transpose_out):
+                         transpose_out, inverse_rht=True):
     """The primitive's semantics in pure jnp (its default lowering)."""
     # A barrier between the codes and their decode: without it XLA fuses a producer's integer chains (e.g. the
     # reference quantize in the same jit) into the decode, and jax >= 0.11's algebraic simplifier then takes minutes.
@@ -141,13 +144,13 @@ def reference_dequantize(data, scale, amax, window_amax, *, fmt, out_dtype, scal
         bs = fmt.block_size
         v = codes.e2m1_value(codes.from_dtype(data))
         v = (v.reshape(*v.shape[:-1], v.shape[-1] // bs, bs) * scale.astype(jnp.float32)[..., None]).reshape(v.shape)
-        v = rht.inverse(v) if fmt.rht else v
+        v = rht.inverse(v) if fmt.rht and inverse_rht else v
     elif isinstance(fmt, NVFP4):
         a = None
         if fmt.has_tensor_amax:
             a = amax[0] if amax.shape[0] == 1 else amax[:, None, None]
         w = window_amax if fmt.local_1x64 else None
-        v = nvfp4.dequantize(codes.from_dtype(data), codes.from_dtype(scale), a, w, fmt)
+        v = nvfp4.dequantize(codes.from_dtype(data), codes.from_dtype(scale), a, w, fmt, inverse_rht)
     elif mx_columnwise:
         v = jnp.swapaxes(mxfp8.dequantize(jnp.swapaxes(data, 1, 2), codes.from_dtype(jnp.swapaxes(scale, 1, 2)),
                                           fmt, out_dtype), 1, 2)
@@ -159,8 +162,6 @@ def reference_dequantize(data, scale, amax, window_amax, *, fmt, out_dtype, scal
 
 
 _reference_lowering = mlir.lower_fun(reference_dequantize, multiple_results=False)
-_reference_rule = partitioning.lowering(dequantize_p, _reference_lowering, "dequantize")
-mlir.register_lowering(dequantize_p, _reference_rule)
 
 
 # ---- CUDA lowering ----------------------------------------------------------------------------------------------
@@ -169,12 +170,12 @@ def kind(fmt) -> int:
     return fmt.kind_code
 
 
-def flags(fmt, scale_layout, mx_columnwise, transpose_out) -> int:
+def flags(fmt, scale_layout, mx_columnwise, transpose_out, inverse_rht=True) -> int:
     """The `jf4_dequantize` flags attribute (jax_fp4/_src/ffi_codes.py DequantizeFlag)."""
     f = DequantizeFlag.SWIZZLED if scale_layout == "swizzled" else 0
     f |= DequantizeFlag.MX_COLUMNWISE if mx_columnwise else 0
     f |= DequantizeFlag.TRANSPOSE_OUT if transpose_out else 0
-    f |= (DequantizeFlag.RHT if fmt.rht else 0) | (DequantizeFlag.LOCAL_1X64 if fmt.local_1x64 else 0)
+    f |= (DequantizeFlag.RHT if fmt.rht and inverse_rht else 0) | (DequantizeFlag.LOCAL_1X64 if fmt.local_1x64 else 0)
     f |= DequantizeFlag.E4M3_MAX_256 if fmt.has_tensor_amax and fmt.global_e4m3_max == 256 else 0
     return int(f)
 
@@ -183,21 +184,19 @@ def _cuda_lowering(ctx, data, scale, amax, window_amax, **params):
     if math.prod(ctx.avals_in[0].shape) >= 2**40:  # beyond the kernel's 2^31-block grid
         return _reference_lowering(ctx, data, scale, amax, window_amax, **params)
     fmt = params["fmt"]
-    f = flags(fmt, params["scale_layout"], params["mx_columnwise"], params["transpose_out"])
+    f = flags(fmt, params["scale_layout"], params["mx_columnwise"], params["transpose_out"], params["inverse_rht"])
     return jax.ffi.ffi_lowering("jf4_dequantize")(ctx, data, scale, amax, window_amax, kind=np.int32(kind(fmt)),
                                                   flags=np.int32(f))
 
 
-if _ffi.ensure_registered() and "jf4_dequantize" in _ffi.targets():
-    mlir.register_lowering(dequantize_p, partitioning.lowering(dequantize_p, _cuda_lowering, "dequantize"),
-                           platform="cuda")
-if _ffi.ensure_cpu_registered() and "jf4_dequantize" in _ffi.cpu_targets():  # the host handler (cpp/cpu/)
-    mlir.register_lowering(dequantize_p, _ffi.cpu_rule(
-        partitioning.lowering(dequantize_p, _cuda_lowering, "dequantize"), _reference_rule), platform="cpu")
+register_lowerings(dequantize_p, partitioning.dequantize, _reference_lowering,
+                   cuda=_cuda_lowering if _ffi.has_cuda_target("jf4_dequantize") else None,
+                   cpu=_cuda_lowering if _ffi.has_cpu_target("jf4_dequantize") else None)  # the host handler
 
 
 # ---- batching: fold the batch into P ----------------------------------------------------------------------------
-def _batch_rule(args, dims, *, fmt, out_dtype, scale_layout, mx_columnwise, transpose_out, local=False):
+def _batch_rule(args, dims, *, fmt, out_dtype, scale_layout, mx_columnwise, transpose_out, inverse_rht=True,
+                local=False):
     size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
 
     def lead(a, d):
@@ -222,7 +221,7 @@ def _batch_rule(args, dims, *, fmt, out_dtype, scale_layout, mx_columnwise, tran
         window_amax = jnp.zeros((0,), jnp.float32)
     out = dequantize_p.bind(data.reshape(B * P, R, C), scale.reshape(B * P, *scale.shape[2:]), amax, window_amax,
                             fmt=fmt, out_dtype=out_dtype, scale_layout="compact", mx_columnwise=mx_columnwise,
-                            transpose_out=transpose_out)
+                            transpose_out=transpose_out, inverse_rht=inverse_rht)
     return out.reshape(B, P, *out.shape[1:]), 0
 
 
@@ -238,7 +237,7 @@ def _amax_operand(amax):
 
 
 def dequantize_3d(data, scale, amax, window_amax, *, fmt, out_dtype, scale_layout="compact", mx_columnwise=False,
-                  transpose_out=False, block_scales_only=False):
+                  transpose_out=False, inverse_rht=True, block_scales_only=False):
     """Bind the primitive (see the module docstring). amax: None, a scalar, or float32[1] / [P]; window_amax:
     None or float32[P, R, C/64]. block_scales_only (NVFP4 1D/2D/RHT, amax None): value(q) * s_b, the GEMM
     emulation's operand; without it a missing NVFP4 tensor amax is a ValueError, never a silent omission."""
@@ -249,13 +248,13 @@ def dequantize_3d(data, scale, amax, window_amax, *, fmt, out_dtype, scale_layou
     window_amax = jnp.zeros((0,), jnp.float32) if window_amax is None else window_amax
     return dequantize_p.bind(data, scale, _amax_operand(amax), window_amax, fmt=fmt, out_dtype=jnp.dtype(out_dtype),
                              scale_layout=scale_layout, mx_columnwise=bool(mx_columnwise),
-                             transpose_out=bool(transpose_out))
+                             transpose_out=bool(transpose_out), inverse_rht=bool(inverse_rht))
 
 
 def dequantize_operands(q, dtype=jnp.float32, *, inverse_rht: bool = True):
     """(operands, params) of the `jf4_dequantize` bind for a QuantizedArray q: its [P, R, C] view.
 
-    inverse_rht=False leaves an RHT tensor's values in the transformed domain (params' fmt without rht).
+    inverse_rht=False leaves an RHT tensor's values in the transformed domain (the primitive's inverse_rht).
 
     View: with a = q.axis and x's shape (lead, n, trail): rowwise (a last) [1, prod(lead), n]; NVFP4 otherwise
     [prod(lead), prod(trail), n] with transpose_out (the data stores x[p].T); MXFP8 otherwise
@@ -282,8 +281,8 @@ def dequantize_operands(q, dtype=jnp.float32, *, inverse_rht: bool = True):
         w = q.window_amax.reshape(P, R, C // fmt.window_size)
     else:
         w = jnp.zeros((0,), jnp.float32)
-    params = dict(fmt=fmt.replace(rht=False) if fmt.rht and not inverse_rht else fmt, out_dtype=jnp.dtype(dtype),
-                  scale_layout=q.scale_layout, mx_columnwise=mx_col, transpose_out=transpose)
+    params = dict(fmt=fmt, out_dtype=jnp.dtype(dtype), scale_layout=q.scale_layout, mx_columnwise=mx_col,
+                  transpose_out=transpose, inverse_rht=bool(inverse_rht))
     return (data, scale, amax, w), params
 
 
@@ -297,8 +296,8 @@ def block_scaled_values(q, dtype=jnp.bfloat16):
     return dequantize_3d(data, scale, None, None, block_scales_only=True, **params).reshape(q.shape)
 
 
-def dequantize_array(q, dtype=jnp.float32):
+def dequantize_array(q, dtype=jnp.float32, *, inverse_rht: bool = True):
     """A QuantizedArray -> `dtype` array of its logical shape (q.shape) through `jf4_dequantize`
-    (`dequantize_operands` gives the view)."""
-    args, params = dequantize_operands(q, dtype)
+    (`dequantize_operands` gives the view; inverse_rht=False: an RHT tensor's values in the transformed domain)."""
+    args, params = dequantize_operands(q, dtype, inverse_rht=inverse_rht)
     return dequantize_p.bind(*args, **params).reshape(q.shape)

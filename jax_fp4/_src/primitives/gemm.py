@@ -49,6 +49,7 @@ from jax.interpreters import ad, batching, mlir
 from jax_fp4._src import ffi as _ffi
 from jax_fp4._src.ffi_codes import GemmFlag
 from jax_fp4._src.primitives import partitioning_gemm
+from jax_fp4._src.primitives.partitioning_base import register_lowerings
 from jax_fp4._src.primitives._common import def_impl
 from jax_fp4._src.primitives.dequantize import block_scaled_values, dequantize_array
 from jax_fp4.formats import Format
@@ -190,7 +191,6 @@ def emulated_gemm(a_data, a_scale, a_aux, b_data, b_scale, b_aux, bias, *, a_fmt
 
 
 _emulated_lowering = mlir.lower_fun(emulated_gemm, multiple_results=True)
-mlir.register_lowering(gemm_p, partitioning_gemm.lowering(gemm_p, _emulated_lowering))
 
 
 # ---- CUDA lowering ----------------------------------------------------------------------------------------------
@@ -210,8 +210,8 @@ def cuda_kernel_registered() -> bool:
     return _ffi.ensure_registered() and FFI_TARGET in _ffi.targets()
 
 
-if cuda_kernel_registered():
-    mlir.register_lowering(gemm_p, partitioning_gemm.lowering(gemm_p, _cuda_lowering), platform="cuda")
+register_lowerings(gemm_p, partitioning_gemm.gemm, _emulated_lowering,
+                   cuda=_cuda_lowering if cuda_kernel_registered() else None)
 
 
 # ---- batching ---------------------------------------------------------------------------------------------------

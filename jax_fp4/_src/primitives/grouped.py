@@ -72,6 +72,7 @@ from jax_fp4._src import ffi as _ffi
 from jax_fp4._src import ffi_codes
 from jax_fp4._src.ffi_codes import GroupedDequantizeFlag, QuantizeOption
 from jax_fp4._src.primitives import partitioning_grouped
+from jax_fp4._src.primitives.partitioning_base import register_lowerings
 from jax_fp4._src.primitives._common import def_impl, def_not_differentiable
 from jax_fp4.formats import NVFP4, Format
 from jax_fp4.reference import codes
@@ -231,16 +232,6 @@ def reference_dequantize(data, scale, amax, first_dims, last_dims, *, fmt, axis,
                                  x_shape, out_dtype, raw=raw)
 
 
-# Through the sharding rules (partitioning.py); `local` is the per-shard bind's flag, consumed by the wrapper.
-_reference_rules = (
-    partitioning_grouped.lowering(grouped_quantize_p, mlir.lower_fun(reference_quantize, multiple_results=True),
-                                  "grouped_quantize"),
-    partitioning_grouped.lowering(grouped_dequantize_p, mlir.lower_fun(reference_dequantize, multiple_results=False),
-                                  "grouped_dequantize"))
-mlir.register_lowering(grouped_quantize_p, _reference_rules[0])
-mlir.register_lowering(grouped_dequantize_p, _reference_rules[1])
-
-
 # ---- CUDA and CPU lowerings (cpp/grouped/, cpp/cpu/) ----------------------------------------------------------
 # One persistent launch per call: `jf4_grouped_quantize` (the per-group NVFP4 amax pass unless every amax is given,
 # then the quantize; an extra float32[2N + 1] scratch result holds the per-group amaxes it encodes with and the
@@ -328,27 +319,25 @@ def kernel_dequantize(data, scale, amax, first_dims, last_dims, *, fmt, axis, x_
     return call(data, scale, amax, first_dims, last_dims, **dequantize_flags(fmt, axis, raw))
 
 
-def _kernel_rules(max_groups):
-    """The (quantize, dequantize) lowering rules through the FFI targets, the reference beyond `max_groups`."""
+def _kernel_lowerings(max_groups, available):
+    """The (quantize, dequantize) lowerings through the FFI targets, the reference beyond `max_groups` groups; (None,
+    None) unless available."""
+    if not available:
+        return None, None
     q = functools.partial(kernel_quantize, max_groups=max_groups)
     dq = functools.partial(kernel_dequantize, max_groups=max_groups)
-    return (partitioning_grouped.lowering(grouped_quantize_p, mlir.lower_fun(q, multiple_results=True),
-                                          "grouped_quantize"),
-            partitioning_grouped.lowering(grouped_dequantize_p, mlir.lower_fun(dq, multiple_results=False),
-                                          "grouped_dequantize"))
+    return mlir.lower_fun(q, multiple_results=True), mlir.lower_fun(dq, multiple_results=False)
 
 
-if _ffi.ensure_registered() and all(t in _ffi.targets() for t in FFI_TARGETS):
-    _cuda_rules = _kernel_rules(MAX_KERNEL_GROUPS)
-    mlir.register_lowering(grouped_quantize_p, _cuda_rules[0], platform="cuda")
-    mlir.register_lowering(grouped_dequantize_p, _cuda_rules[1], platform="cuda")
-
-# The CPU handlers (cpp/cpu/grouped_*_cpu.cc) take the same operands, attributes and pairings, with no group limit;
-# inside ffi.reference_lowering_on_cpu() the CPU lowers to the reference.
-if _ffi.ensure_cpu_registered() and all(t in _ffi.cpu_targets() for t in FFI_TARGETS):
-    _cpu_rules = _kernel_rules(None)
-    mlir.register_lowering(grouped_quantize_p, _ffi.cpu_rule(_cpu_rules[0], _reference_rules[0]), platform="cpu")
-    mlir.register_lowering(grouped_dequantize_p, _ffi.cpu_rule(_cpu_rules[1], _reference_rules[1]), platform="cpu")
+# Each through its sharding rule (partitioning_grouped.py; `local` is the per-shard bind's flag, consumed by the
+# wrapper). The CPU handlers (cpp/cpu/grouped_*_cpu.cc) take the same operands, attributes and pairings, with no
+# group limit; inside ffi.reference_lowering_on_cpu() the CPU lowers to the reference.
+_cuda = _kernel_lowerings(MAX_KERNEL_GROUPS, _ffi.has_cuda_target(*FFI_TARGETS))
+_cpu = _kernel_lowerings(None, _ffi.has_cpu_target(*FFI_TARGETS))
+register_lowerings(grouped_quantize_p, partitioning_grouped.grouped_quantize,
+                   mlir.lower_fun(reference_quantize, multiple_results=True), cuda=_cuda[0], cpu=_cpu[0])
+register_lowerings(grouped_dequantize_p, partitioning_grouped.grouped_dequantize,
+                   mlir.lower_fun(reference_dequantize, multiple_results=False), cuda=_cuda[1], cpu=_cpu[1])
 
 
 # ---- batching: one unbatched call per example -------------------------------------------------------------------

@@ -49,7 +49,6 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_fp4._src.primitives import partitioning_base
 from jax_fp4._src.primitives.partitioning_base import (
     axis_names,
     divisible_spec,
@@ -396,22 +395,21 @@ def _swizzle_cp(prim, params, avals_in, avals_out):
     return f
 
 
-def _partition(kind):
-    def make(prim, params, avals_in, avals_out, devices):
-        if kind == "quantize":
-            return _quantize_cp(prim, params, avals_in, devices)
-        if kind == "dequantize":
-            return _dequantize_cp(prim, params, avals_in, devices)
-        if kind in ("swizzle", "unswizzle"):
-            return _swizzle_cp(prim, params, avals_in, avals_out)
-        return _amax_cp(prim, params, len(avals_in[0].shape), len(avals_out[0].shape))
-
-    return make
+# The partition functions of `partitioning_base.register_lowerings`: (prim, params, avals_in, avals_out, devices) ->
+# the custom_partitioning function of one call.
+def quantize(prim, params, avals_in, avals_out, devices):
+    return _quantize_cp(prim, params, avals_in, devices)
 
 
-def lowering(prim, inner, kind: str):
-    """A lowering rule for `prim` (`kind`: "quantize", "dequantize", "swizzle", "unswizzle" or "amax"): `inner` for
-    the per-shard (local=True) bind, else the custom_partitioning call with this module's rule for `kind`."""
-    if kind not in ("quantize", "dequantize", "swizzle", "unswizzle", "amax"):
-        raise ValueError(f"partitioning.lowering: unknown kind {kind!r}")
-    return partitioning_base.lowering(prim, inner, _partition(kind))
+def dequantize(prim, params, avals_in, avals_out, devices):
+    return _dequantize_cp(prim, params, avals_in, devices)
+
+
+def swizzle(prim, params, avals_in, avals_out, devices):
+    """jf4_swizzle and jf4_unswizzle."""
+    return _swizzle_cp(prim, params, avals_in, avals_out)
+
+
+def amax(prim, params, avals_in, avals_out, devices):
+    """jf4_amax and jf4_rht_amax."""
+    return _amax_cp(prim, params, len(avals_in[0].shape), len(avals_out[0].shape))

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import mlir
 
+from jax_fp4._src import ffi as _ffi
+
 __all__ = ["axis_names", "divisible_spec", "lowering", "mesh_size", "shard_index", "spec_of", "split_factors"]
 
 
@@ -107,3 +109,20 @@ def lowering(prim, inner, partition):
         return mlir.lower_fun(lambda *a: f(*a), multiple_results=prim.multiple_results)(ctx, *args)
 
     return rule
+
+
+def register_lowerings(prim, partition, reference, *, cuda=None, cpu=None):
+    """Register `prim`'s lowering rules, each through `lowering(prim, ..., partition)` (the sharding rule).
+
+    Args:
+      reference: the default rule, on every platform (the jnp reference or emulation, `mlir.lower_fun`).
+      cuda: the FFI lowering for platform "cuda", or None (no CUDA extension, or it lacks the target).
+      cpu: the host handler's FFI lowering for platform "cpu", or None; inside `ffi.reference_lowering_on_cpu()`
+        the CPU takes `reference` instead.
+    """
+    reference_rule = lowering(prim, reference, partition)
+    mlir.register_lowering(prim, reference_rule)
+    if cuda is not None:
+        mlir.register_lowering(prim, lowering(prim, cuda, partition), platform="cuda")
+    if cpu is not None:
+        mlir.register_lowering(prim, _ffi.cpu_rule(lowering(prim, cpu, partition), reference_rule), platform="cpu")

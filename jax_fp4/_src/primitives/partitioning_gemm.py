@@ -17,7 +17,6 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_fp4._src.primitives import partitioning_base
 from jax_fp4._src.primitives.partitioning_base import axis_names, divisible_spec, spec_of
 
 __all__ = ["lowering"]
@@ -80,7 +79,6 @@ def _gemm_cp(prim, params, avals_in):
     return f
 
 
-def lowering(prim, inner):
-    """`jf4_gemm`'s lowering rule: `inner` for the per-shard (local=True) bind, else the custom_partitioning call."""
-    return partitioning_base.lowering(prim, inner, lambda prim, params, avals_in, avals_out, devices:
-                                      _gemm_cp(prim, params, avals_in))
+def gemm(prim, params, avals_in, avals_out, devices):
+    """`jf4_gemm`'s partition function (`partitioning_base.register_lowerings`)."""
+    return _gemm_cp(prim, params, avals_in)

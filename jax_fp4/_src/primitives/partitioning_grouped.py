@@ -12,7 +12,6 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_fp4._src.primitives import partitioning_base
 from jax_fp4._src.primitives.partitioning_base import mesh_size, shard_index, spec_of, split_factors
 from jax_fp4.validation import Representation
 
@@ -200,18 +199,10 @@ def grouped_dequantize_cp(prim, params, avals_in, devices):
     return f
 
 
-def _partition(kind):
-    def make(prim, params, avals_in, avals_out, devices):
-        if kind == "grouped_quantize":
-            return grouped_quantize_cp(prim, params, avals_in, avals_out, devices)
-        return grouped_dequantize_cp(prim, params, avals_in, devices)
-
-    return make
+# The partition functions of `partitioning_base.register_lowerings`.
+def grouped_quantize(prim, params, avals_in, avals_out, devices):
+    return grouped_quantize_cp(prim, params, avals_in, avals_out, devices)
 
 
-def lowering(prim, inner, kind: str):
-    """A lowering rule for a grouped primitive (`kind`: "grouped_quantize" or "grouped_dequantize"): `inner` for the
-    per-shard (local=True) bind, else the custom_partitioning call with this module's rule."""
-    if kind not in ("grouped_quantize", "grouped_dequantize"):
-        raise ValueError(f"partitioning_grouped.lowering: unknown kind {kind!r}")
-    return partitioning_base.lowering(prim, inner, _partition(kind))
+def grouped_dequantize(prim, params, avals_in, avals_out, devices):
+    return grouped_dequantize_cp(prim, params, avals_in, devices)

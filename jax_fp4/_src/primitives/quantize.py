@@ -50,6 +50,7 @@ from jax_fp4._src import ffi as _ffi
 from jax_fp4._src import ffi_codes
 from jax_fp4._src.ffi_codes import QuantizeFlag
 from jax_fp4._src.primitives import partitioning
+from jax_fp4._src.primitives.partitioning_base import register_lowerings
 from jax_fp4._src.primitives._common import def_impl, def_not_differentiable
 from jax_fp4._src.primitives.dequantize import reference_dequantize
 from jax_fp4.formats import NVFP4, Format, round_up
@@ -140,10 +141,9 @@ quantize_p.def_abstract_eval(_abstract_eval)
 def _exact_values(fmt, data, scale, mx_columnwise):
     """bfloat16 value(q) * block scale of compact codes (the `jf4_dequantize` reference, block scales only)."""
     empty = jnp.zeros((0,), jnp.float32)
-    if fmt.rht:
-        fmt = fmt.replace(rht=False)  # the RHT cancels in the product of two RHT operands
+    # inverse_rht=False: the RHT cancels in the product of two RHT operands
     return reference_dequantize(data, scale, empty, empty, fmt=fmt, out_dtype=jnp.bfloat16, scale_layout="compact",
-                                mx_columnwise=mx_columnwise, transpose_out=False)
+                                mx_columnwise=mx_columnwise, transpose_out=False, inverse_rht=False)
 
 
 def _reference_orientation(y, fmt, amax, key_words, col, swizzled, exact=False):
@@ -197,8 +197,6 @@ def _reference_dbias(x):
 
 
 _reference_lowering = mlir.lower_fun(reference_outputs, multiple_results=True)
-_reference_rule = partitioning.lowering(quantize_p, _reference_lowering, "quantize")
-mlir.register_lowering(quantize_p, _reference_rule)
 
 
 # ---- CUDA lowering ----------------------------------------------------------------------------------------------
@@ -264,12 +262,10 @@ def _cuda_lowering(ctx, x, amax_row, amax_col, key_row, key_col, *, row_fmt, col
                 **ffi_attributes(row_fmt, col_fmt, scale_layout, dbias, exact))
 
 
-if _ffi.ensure_registered():
-    mlir.register_lowering(quantize_p, partitioning.lowering(quantize_p, _cuda_lowering, "quantize"), platform="cuda")
 # The CPU handler (cpp/cpu/) takes the same operands, attributes and pairings as the CUDA one.
-if _ffi.ensure_cpu_registered() and "jf4_quantize" in _ffi.cpu_targets():
-    mlir.register_lowering(quantize_p, _ffi.cpu_rule(partitioning.lowering(quantize_p, _cuda_lowering, "quantize"),
-                                                     _reference_rule), platform="cpu")
+register_lowerings(quantize_p, partitioning.quantize, _reference_lowering,
+                   cuda=_cuda_lowering if _ffi.ensure_registered() else None,
+                   cpu=_cuda_lowering if _ffi.has_cpu_target("jf4_quantize") else None)
 
 
 # ---- batching ---------------------------------------------------------------------------------------------------

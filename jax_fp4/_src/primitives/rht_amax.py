@@ -20,6 +20,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_fp4._src import ffi as _ffi
 from jax_fp4._src.primitives import partitioning
+from jax_fp4._src.primitives.partitioning_base import register_lowerings
 from jax_fp4._src.primitives._common import def_impl
 from jax_fp4.reference import rht
 from jax_fp4.reference.amax import amax as _amax
@@ -50,23 +51,13 @@ def _reference(x, *, orientation):
     return _amax(rht.forward(y), axis=(1, 2))
 
 
-_reference_rule = partitioning.lowering(rht_amax_p, mlir.lower_fun(_reference, multiple_results=False), "amax")
-mlir.register_lowering(rht_amax_p, _reference_rule)
-if _ffi.ensure_registered():
-    _ffi_rule = jax.ffi.ffi_lowering("jf4_rht_amax")
+def _ffi_lowering(ctx, x, *, orientation):
+    return jax.ffi.ffi_lowering("jf4_rht_amax")(ctx, x, col=np.int32(orientation == "col"))
 
-    def _cuda_lowering(ctx, x, *, orientation):
-        return _ffi_rule(ctx, x, col=np.int32(orientation == "col"))
 
-    mlir.register_lowering(rht_amax_p, partitioning.lowering(rht_amax_p, _cuda_lowering, "amax"), platform="cuda")
-if _ffi.ensure_cpu_registered() and "jf4_rht_amax" in _ffi.cpu_targets():
-    _cpu_rule = jax.ffi.ffi_lowering("jf4_rht_amax")
-
-    def _cpu_lowering(ctx, x, *, orientation):
-        return _cpu_rule(ctx, x, col=np.int32(orientation == "col"))
-
-    mlir.register_lowering(rht_amax_p, _ffi.cpu_rule(partitioning.lowering(rht_amax_p, _cpu_lowering, "amax"),
-                                                     _reference_rule), platform="cpu")
+register_lowerings(rht_amax_p, partitioning.amax, mlir.lower_fun(_reference, multiple_results=False),
+                   cuda=_ffi_lowering if _ffi.ensure_registered() else None,
+                   cpu=_ffi_lowering if _ffi.has_cpu_target("jf4_rht_amax") else None)
 
 
 def _batch_rule(args, dims, *, orientation, local=False):

@@ -31,6 +31,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_fp4._src import ffi as _ffi
 from jax_fp4._src.primitives import partitioning
+from jax_fp4._src.primitives.partitioning_base import register_lowerings
 from jax_fp4._src.primitives._common import def_impl
 from jax_fp4.formats import SCALE_TILE_COLS, SCALE_TILE_ROWS, round_up
 from jax_fp4.reference import layout
@@ -105,14 +106,6 @@ def reference_unswizzle(sw, *, rows, cols):
     return _per_matrix(lambda m: layout.unswizzle(m, rows, cols), sw, (rows, cols))
 
 
-_reference_swizzle_rule = partitioning.lowering(
-    swizzle_p, mlir.lower_fun(reference_swizzle, multiple_results=False), "swizzle")
-_reference_unswizzle_rule = partitioning.lowering(
-    unswizzle_p, mlir.lower_fun(reference_unswizzle, multiple_results=False), "unswizzle")
-mlir.register_lowering(swizzle_p, _reference_swizzle_rule)
-mlir.register_lowering(unswizzle_p, _reference_unswizzle_rule)
-
-
 # ---- CUDA lowering ----------------------------------------------------------------------------------------------
 def _cuda_swizzle(ctx, s):
     return jax.ffi.ffi_lowering("jf4_swizzle")(ctx, s)
@@ -123,15 +116,12 @@ def _cuda_unswizzle(ctx, sw, *, rows, cols):
     return jax.ffi.ffi_lowering("jf4_unswizzle")(ctx, sw)
 
 
-if _ffi.ensure_registered() and {"jf4_swizzle", "jf4_unswizzle"} <= set(_ffi.targets()):
-    mlir.register_lowering(swizzle_p, partitioning.lowering(swizzle_p, _cuda_swizzle, "swizzle"), platform="cuda")
-    mlir.register_lowering(unswizzle_p, partitioning.lowering(unswizzle_p, _cuda_unswizzle, "unswizzle"),
-                           platform="cuda")
-if _ffi.ensure_cpu_registered() and {"jf4_swizzle", "jf4_unswizzle"} <= set(_ffi.cpu_targets()):  # cpp/cpu/
-    mlir.register_lowering(swizzle_p, _ffi.cpu_rule(partitioning.lowering(swizzle_p, _cuda_swizzle, "swizzle"),
-                                                    _reference_swizzle_rule), platform="cpu")
-    mlir.register_lowering(unswizzle_p, _ffi.cpu_rule(
-        partitioning.lowering(unswizzle_p, _cuda_unswizzle, "unswizzle"), _reference_unswizzle_rule), platform="cpu")
+_CUDA = _ffi.has_cuda_target("jf4_swizzle", "jf4_unswizzle")
+_CPU = _ffi.has_cpu_target("jf4_swizzle", "jf4_unswizzle")  # the host handlers (cpp/cpu/)
+register_lowerings(swizzle_p, partitioning.swizzle, mlir.lower_fun(reference_swizzle, multiple_results=False),
+                   cuda=_cuda_swizzle if _CUDA else None, cpu=_cuda_swizzle if _CPU else None)
+register_lowerings(unswizzle_p, partitioning.swizzle, mlir.lower_fun(reference_unswizzle, multiple_results=False),
+                   cuda=_cuda_unswizzle if _CUDA else None, cpu=_cuda_unswizzle if _CPU else None)
 
 
 # ---- batching: the batch dimension becomes a leading (matrix) dimension ------------------------------------------
