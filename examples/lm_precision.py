@@ -72,6 +72,14 @@ def _count(s):
     return v
 
 
+def _recipe(s):
+    try:
+        recipes.by_name(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
+
+
 def add_arguments(p: argparse.ArgumentParser):
     g = p.add_argument_group("precision policy, switch and diagnostics")
     g.add_argument("--bf16-first", type=_count, default=0, metavar="N", help="the first N blocks in bf16")
@@ -85,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="layers matching this module-path glob (or re:REGEX) in bf16, e.g. '*/out' or 'blocks/0'")
     g.add_argument("--switch-at", type=_switch_at, metavar="X",
                    help="switch the recipe at fraction X of training (0 < X < 1) or at step X (>= 1)")
-    g.add_argument("--switch-to", choices=sorted(recipes.RECIPES), help="the recipe after the switch (default bf16)")
+    g.add_argument("--switch-to", type=_recipe, metavar="RECIPE",
+                   help="the recipe after the switch (default bf16; any name recipes.by_name knows)")
     g.add_argument("--switch-scope", choices=SCOPES, help="fwd: the forward GEMMs only (default); all: every GEMM")
     g.add_argument("--diagnostics", type=_count, default=0, metavar="N",
                    help="every N steps record per-layer quantization statistics (diagnostics.csv, heatmap PNGs)")

@@ -45,6 +45,11 @@ CONFIGS = {
     "nvfp4+last1+switch0.9": ("nvfp4", ["--bf16-last", "1", "--switch-at", "0.9", "--switch-to", "bf16",
                                         "--switch-scope", "fwd"]),
     "mxfp8": ("mxfp8", []),
+    # 4over6 forward operands (NVFP4(use_4over6=True), docs/numerics.md section 1)
+    "nvfp4-fwd-mxfp8-bwd-4over6": ("nvfp4-fwd-mxfp8-bwd-4over6", []),
+    "nvfp4-fwd-mxfp8-bwd-4over6+switch0.9": ("nvfp4-fwd-mxfp8-bwd-4over6", ["--switch-at", "0.9", "--switch-to", "bf16",
+                                                                            "--switch-scope", "fwd"]),
+    "nvfp4-4over6": ("nvfp4-4over6", []),
 }
 
 
@@ -95,6 +100,8 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from: {', '.join(CONFIGS)}")
     p.add_argument("--per-gpu", type=int, default=1, help="concurrent runs per GPU")
+    p.add_argument("--gpus", type=lambda s: [int(g) for g in s.split(",")], default=None,
+                   help="comma-separated GPU ids to use (default: every GPU nvidia-smi lists)")
     p.add_argument("--out", type=Path, default=Path("runs/study"))
     args, extra = p.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
@@ -105,8 +112,8 @@ def main(argv=None):
     q: queue.Queue = queue.Queue()
     for job in _jobs(configs, args.seeds):
         q.put(job)
-    n_gpu = _gpu_count()
-    slots = [(g, 0.9 / args.per_gpu) for g in range(n_gpu) for _ in range(args.per_gpu)] or [(None, 0.0)]
+    gpus = args.gpus if args.gpus is not None else list(range(_gpu_count()))
+    slots = [(g, 0.9 / args.per_gpu) for g in gpus for _ in range(args.per_gpu)] or [(None, 0.0)]
     done: list = []
     t0 = time.time()
     threads = [threading.Thread(target=_worker, args=(q, g, f, args, extra, done)) for g, f in slots]

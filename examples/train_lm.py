@@ -172,6 +172,11 @@ def _nonnegative_float(s):
     return v
 
 
+def _recipe_name(s):
+    """A recipe name recipes.by_name knows: RECIPES' defaults or a variant (e.g. nvfp4-fwd-mxfp8-bwd-4over6)."""
+    return _recipe_list(s)[0] if "," not in s else _recipe_list("")
+
+
 def _recipe_list(s):
     names = [n.strip() for n in s.split(",") if n.strip()]
     bad = []
@@ -197,7 +202,7 @@ def make_parser() -> argparse.ArgumentParser:
         f"{k}: d_model {v['d_model']}, {v['layers']} layers, seq {v['seq']}, batch {v['batch']}, {v['steps']} steps"
         for k, v in PRESETS.items()))
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--recipe", choices=sorted(recipes.RECIPES), default="nvfp4",
+    which.add_argument("--recipe", type=_recipe_name, default="nvfp4", metavar="|".join(sorted(recipes.RECIPES)),
                        help="the jax_fp4 training recipe of the quantized layers (default nvfp4)")
     which.add_argument("--compare", action="store_true", help="train every recipe (bf16 first), same seed and data")
     which.add_argument("--recipes", type=_recipe_list, metavar="R1,R2,...",
