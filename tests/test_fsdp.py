@@ -5,19 +5,21 @@ that prints RESULT lines. Collective dtypes and bytes are read from the HLO righ
 dump, `--xla_dump_hlo_pass_re=spmd-partitioning`): XLA:CPU later widens 8-bit, 4-bit and bfloat16 collectives to the
 types it implements, which says nothing of what a GPU moves. The count of all-reduces is read from the compiled HLO.
 
-* FSDP (kernels sharded P("fsdp", None) or P(None, "fsdp") over 4 devices, tokens over the same axis), a 2-layer
-  MLP step with `shard_recipe(..., fsdp_axes="fsdp")`: every gradient equals the unsharded step's bit for bit, the
-  float32 mean loss within its reordering bound 2 (n - 1) 2^-24 loss (the codes are the unsharded quantize's; the float32 wgrad sums of exact products are order-free); no
-  all-gather moves a float wider than 8 bits of a weight's size (the bfloat16 / float32 weight is never gathered);
-  the weight all-gather bytes are <= 0.85x (nvfp4-fwd-mxfp8-bwd) / 0.6x (nvfp4) of gathering the bfloat16 weights
-  (2 bytes an element) once per use, fprop and dgrad: NVFP4 codes 0.5 B + E4M3 scales 1/16 B an element, MXFP8 codes
-  1 B + E8M0 scales 1/32 B.
+* FSDP (kernels sharded P("fsdp", None) or P(None, "fsdp") over 4 devices, or P("fsdp", "tensor") /
+  P("tensor", "fsdp") on a 2 x 2 fsdp x tensor mesh; tokens over "fsdp"), a 2-layer MLP step with
+  `shard_recipe(..., fsdp_axes="fsdp")`: every gradient equals the unsharded step's bit for bit (the codes are the
+  unsharded quantize's; the float32 wgrad sums of exact products are order-free), the float32 mean loss within its
+  reordering bound 2 (n - 1) 2^-24 loss; no all-gather moves a float wider than 8 bits of a weight's size (the
+  bfloat16 / float32 weight is never gathered); the weight all-gather bytes are <= 0.85x (nvfp4-fwd-mxfp8-bwd) /
+  0.6x (nvfp4) of gathering the bfloat16 weights (2 bytes an element) once per use, fprop and dgrad: NVFP4 codes
+  0.5 B + E4M3 scales 1/16 B an element, MXFP8 codes 1 B + E8M0 scales 1/32 B.
 * reduce_dtype="output": one dense layer, loss = sum(y * t), so dY = t exactly; under data parallelism (4 x "data",
   kernel replicated) the weight gradient is all-reduced in bfloat16, under FSDP reduce-scattered in bfloat16: the
   bytes of 2 an element, half of float32's. The result differs from the unsharded one by the roundings of the n = 4
   partial sums: |dw - dw_1| <= (n + 1) u (|x|^T |t|) (1 + 2^-4)^2 + u |dw_1| elementwise, u = 2^-8 (bfloat16's unit
   roundoff): each partial rounded once, n - 1 additions and the final cast, each <= u times the sum of the partials'
-  magnitudes, which the quantized operands' magnitudes bound (MXFP8 E4M3 rounds within 2^-4 relative).
+  magnitudes, which the quantized operands' magnitudes bound (MXFP8 E4M3 rounds normal values within 2^-4
+  relative; a subnormal code adds at most 2^-10 of its block's scale, which the slack of the n + 1 term covers).
   reduce_dtype="float32" (the default) keeps float32 all-reduces and bit equality. The bfloat16 step (recipe BF16)
   reduces its weight gradient in bfloat16 too.
 * Data parallelism, a 2-layer MLP: the number of all-reduces in the compiled step (the scalars of one quantize in
@@ -93,22 +95,27 @@ SCRIPT = textwrap.dedent(
 
     ws = [jnp.asarray(rng.standard_normal(s) * 0.08, jnp.float32) for s in ((D, H), (H, D))]
     x = jnp.asarray(rng.standard_normal((B, D)), jnp.bfloat16)
-    mesh = Mesh(np.array(jax.devices()[:4]), ("fsdp",))
-    for rname in ("nvfp4-fwd-mxfp8-bwd", "nvfp4"):
-        for layout in ("rows", "columns"):
-            r = distributed.shard_recipe(recipes.by_name(rname), fsdp_axes="fsdp")
-            wspec = P("fsdp", None) if layout == "rows" else P(None, "fsdp")
-            sw = [NamedSharding(mesh, wspec)] * 2
-            f = jax.jit(mlp_loss(r), in_shardings=(sw, NamedSharding(mesh, P("fsdp", None))),
-                        out_shardings=(NamedSharding(mesh, P()), sw))
-            found, n_ar, compiled = partitioned(f, ws, x)
-            l1, g1 = jax.jit(mlp_loss(recipes.by_name(rname)))(ws, x)
-            l2, g2 = compiled(ws, x)
-            print("RESULT", json.dumps({"case": "fsdp", "recipe": rname, "layout": layout, "collectives": found,
-                                        "weight_elements": [int(w.size) for w in ws],
-                                        "loss_1": float(l1), "loss_sharded": float(l2), "n": B * D,
-                                        "grads_equal": [bool(np.array_equal(a, b)) for a, b in zip(g1, g2)]}),
-                  flush=True)
+    UNSHARDED = {}
+    CASES = {"rows": ((4,), [P("fsdp", None)] * 2), "columns": ((4,), [P(None, "fsdp")] * 2),
+             "fsdp x tensor": ((2, 2), [P("fsdp", "tensor"), P("tensor", "fsdp")])}
+    for rname, layout in (("nvfp4-fwd-mxfp8-bwd", "rows"), ("nvfp4", "columns"),
+                          ("nvfp4-fwd-mxfp8-bwd", "fsdp x tensor"), ("nvfp4", "fsdp x tensor")):
+        shape, wspecs = CASES[layout]
+        mesh = Mesh(np.array(jax.devices()[:4]).reshape(shape), ("fsdp", "tensor")[:len(shape)])
+        r = distributed.shard_recipe(recipes.by_name(rname), fsdp_axes="fsdp")
+        sw = [NamedSharding(mesh, s) for s in wspecs]
+        f = jax.jit(mlp_loss(r), in_shardings=(sw, NamedSharding(mesh, P("fsdp", None))),
+                    out_shardings=(NamedSharding(mesh, P()), sw))
+        found, n_ar, compiled = partitioned(f, ws, x)
+        if rname not in UNSHARDED:
+            UNSHARDED[rname] = jax.jit(mlp_loss(recipes.by_name(rname)))(ws, x)
+        l1, g1 = UNSHARDED[rname]
+        l2, g2 = compiled(ws, x)
+        print("RESULT", json.dumps({"case": "fsdp", "recipe": rname, "layout": layout, "collectives": found,
+                                    "weight_elements": [int(w.size) for w in ws],
+                                    "loss_1": float(l1), "loss_sharded": float(l2), "n": B * D,
+                                    "grads_equal": [bool(np.array_equal(a, b)) for a, b in zip(g1, g2)]}),
+              flush=True)
 
     # data parallelism: the all-reduces of the step (scalars of each quantize combined into one)
     dmesh = Mesh(np.array(jax.devices()[:4]), ("data",))
@@ -143,7 +150,8 @@ SCRIPT = textwrap.dedent(
             g = np.asarray(compiled(w, xs), np.float64)
             print("RESULT", json.dumps({"case": "reduce " + case, "reduce_dtype": red, "collectives": found,
                                         "grad_elements": int(w.size), "equal": bool(np.array_equal(g, g_ref)),
-                                        "excess": float(np.max(np.abs(g - g_ref) - 5 * 2.0**-8 * mag * (1 + 2.0**-4) ** 2
+                                        "excess": float(np.max(np.abs(g - g_ref)
+                                                               - 5 * 2.0**-8 * mag * (1 + 2.0**-4) ** 2
                                                                - 2.0**-8 * np.abs(g_ref)))}), flush=True)
     """
 )
@@ -167,7 +175,9 @@ TARGET = {"nvfp4-fwd-mxfp8-bwd": 0.85, "nvfp4": 0.6}
 
 def test_fsdp_gathers_codes_and_equals_unsharded(results):
     fsdp = [r for r in results if r["case"] == "fsdp"]
-    assert len(fsdp) == 4
+    assert {(r["recipe"], r["layout"]) for r in fsdp} == {("nvfp4-fwd-mxfp8-bwd", "rows"), ("nvfp4", "columns"),
+                                                          ("nvfp4-fwd-mxfp8-bwd", "fsdp x tensor"),
+                                                          ("nvfp4", "fsdp x tensor")}
     for r in fsdp:
         where = (r["recipe"], r["layout"])
         assert all(r["grads_equal"]), (where, r["grads_equal"])
@@ -178,8 +188,9 @@ def test_fsdp_gathers_codes_and_equals_unsharded(results):
         wide = [c for c in gathers if c["elements"] >= smallest_weight // 4 and set(c["dtypes"]) - {"u8"}]
         assert not wide, (where, "a weight gathered wider than 8 bits", wide)
         assert not [c for c in r["collectives"] if c["op"] in ("all-to-all", "collective-permute")], where
-        # the first layer's dgrad is not taken (x is not differentiated): fprop of both layers, dgrad of the second
-        bf16_bytes = 2 * (sum(r["weight_elements"]) + r["weight_elements"][1])
+        # the first layer's dgrad is not taken (x is not differentiated): fprop of both layers, dgrad of the second;
+        # on the fsdp x tensor mesh each gather assembles a tensor-parallel half
+        bf16_bytes = 2 * (sum(r["weight_elements"]) + r["weight_elements"][1]) / (2 if "tensor" in r["layout"] else 1)
         got = sum(c["bytes"] for c in gathers if c["dtypes"] == ["u8"])
         assert got <= TARGET[r["recipe"]] * bf16_bytes, (where, got, bf16_bytes)
         assert got > 0.25 * bf16_bytes, (where, got)  # the codes do cross the wire
@@ -214,3 +225,41 @@ def test_dp_scalar_all_reduces_combined(results):
     got = {r["recipe"]: r["all_reduces"] for r in results if r["case"] == "dp all-reduces"}
     layers = 2
     assert got == {"bf16": 1, "nvfp4-fwd-mxfp8-bwd": 1 + layers, "nvfp4": 1 + 2 * layers}, got
+
+
+def test_one_device_unchanged():
+    """On one device the distributed options change nothing: dense (forward and gradients) and a batched
+    dot_general (vmapped dense) give the plain recipe's bits."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_fp4
+    from jax_fp4 import distributed, recipes
+
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 64, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((2, 128, 64)) * 0.1, jnp.bfloat16)
+    for base in (recipes.NVFP4Fwd_MXFP8Bwd(), recipes.NVFP4()):
+        r = distributed.shard_recipe(base, fsdp_axes=("fsdp",), reduce_dtype="output")
+        assert isinstance(r, distributed.ShardedRecipe) and r.name == base.name
+        outs = []
+        for rr in (base, r):
+            def f(x, w, rr=rr):
+                y = jax_fp4.dense(x[0], w[0], recipe=rr, key=jax.random.key(0))
+                z = jax_fp4.dot_general(x, w, (((2,), (1,)), ((0,), (0,))), recipe=rr, key=jax.random.key(1))
+                return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(z.astype(jnp.float32) ** 2)
+            outs.append(jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, w))
+        for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_shard_recipe_errors():
+    from jax_fp4 import distributed, recipes
+
+    with pytest.raises(ValueError, match="reduce_dtype must be one of"):
+        distributed.shard_recipe(recipes.MXFP8(), reduce_dtype="bfloat16")
+    with pytest.raises(TypeError, match="fsdp_axes must be a tuple of mesh axis names"):
+        distributed.shard_recipe(recipes.MXFP8(), fsdp_axes=(0,))
+    with pytest.raises(ValueError, match="unknown recipe"):
+        distributed.shard_recipe("nvfp5", fsdp_axes="fsdp")

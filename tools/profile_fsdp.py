@@ -135,7 +135,8 @@ def main(argv=None):
         entry = {"recipe": name, "variant": variant, "compile_s": compile_s,
                  "step_ms_median": 1e3 * float(np.median(times)), "step_ms_min": 1e3 * float(np.min(times)),
                  "tokens_per_s": a.tokens / float(np.median(times)), "loss": float(val),
-                 "collectives_partitioned": partitioned, "all_reduces_compiled": final.get("all-reduce", {}).get("count", 0),
+                 "collectives_partitioned": partitioned,
+                 "all_reduces_compiled": final.get("all-reduce", {}).get("count", 0),
                  "peak_bytes_in_use": mem.get("peak_bytes_in_use")}
         report["runs"].append(entry)
         print(json.dumps({k: v for k, v in entry.items() if k != "collectives_partitioned"}), flush=True)

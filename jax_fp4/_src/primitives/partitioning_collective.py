@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -59,12 +60,26 @@ def gather_axes(x, axes):
         first gathered one (they would not tile otherwise).
 
     Returns:
-      x, same shape, dtype and values; sharded only over the axes not gathered. Identity on one device.
+      x, same shape, dtype and values; sharded only over the axes not gathered. Identity on one device. Under vmap
+      the batch axis is one more dimension of x (gathered likewise where sharded over `axes`).
     """
     axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
-    nd = x.ndim
-    if nd == 0 or not axes or 0 in x.shape:
+    if x.ndim == 0 or not axes or 0 in x.shape:
         return x
+
+    @custom_vmap
+    def g(a):
+        return _gather(a, axes)
+
+    @g.def_vmap
+    def _batched(axis_size, in_batched, a):
+        return gather_axes(a, axes), in_batched[0]
+
+    return g(x)
+
+
+def _gather(x, axes):
+    nd = x.ndim
 
     @custom_partitioning
     def f(a):
@@ -117,7 +132,8 @@ def reduced_product(va, vb, ta, tb, dimension_numbers, out_dtype):
       float32 [a free, b free]. Unsharded (or contracting dimension unsharded): `exact_product` bit for bit.
       Contracting dimension sharded over mesh axes S: sum over the shards s of out_dtype(P_s * ta * tb), P_s the
       shard's float32 partial product, summed in out_dtype by the collective (docs/numerics.md, "Distributed
-      training").
+      training"). Under vmap (`jax_fp4.dot_general`'s batch axes) the float32 `exact_product` of each batch
+      element, its cross-shard sums left to XLA (float32).
     """
     (ca, cb), _ = dimension_numbers
     (ca,), (cb,) = ca, cb
@@ -129,6 +145,16 @@ def reduced_product(va, vb, ta, tb, dimension_numbers, out_dtype):
     def body(a, b, *ts):
         it = iter(ts)
         return _product(a, b, next(it) if has[0] else None, next(it) if has[1] else None, dimension_numbers)
+
+    @custom_vmap
+    def v(a, b, *ts):
+        return f(a, b, *ts)
+
+    @v.def_vmap
+    def _batched(axis_size, in_batched, a, b, *ts):
+        # under vmap (dot_general's batch axes): XLA's float32 partial sums (`exact_product` per batch element)
+        args = [x if on else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, on in zip((a, b, *ts), in_batched)]
+        return jax.vmap(body)(*args), True
 
     @custom_partitioning
     def f(a, b, *ts):
@@ -189,4 +215,4 @@ def reduced_product(va, vb, ta, tb, dimension_numbers, out_dtype):
     b_f = ["ka", "n"] if cb == 0 else ["n", "ka"]
     rule = ", ".join([" ".join(a_f), " ".join(b_f), *("" for _ in scales)]) + " -> m n"
     f.def_partition(partition=part, infer_sharding_from_operands=infer, sharding_rule=rule, reduction_factors=("ka",))
-    return f(va, vb, *scales)
+    return v(va, vb, *scales)
