@@ -98,11 +98,12 @@ SCRIPT = textwrap.dedent(
     UNSHARDED = {}
     CASES = {"rows": ((4,), [P("fsdp", None)] * 2), "columns": ((4,), [P(None, "fsdp")] * 2),
              "fsdp x tensor": ((2, 2), [P("fsdp", "tensor"), P("tensor", "fsdp")])}
-    for rname, layout in (("nvfp4-fwd-mxfp8-bwd", "rows"), ("nvfp4", "columns"),
-                          ("nvfp4-fwd-mxfp8-bwd", "fsdp x tensor"), ("nvfp4", "fsdp x tensor")):
+    for rname, layout, red in (("nvfp4-fwd-mxfp8-bwd", "rows", "float32"), ("nvfp4", "columns", "float32"),
+                               ("nvfp4-fwd-mxfp8-bwd", "fsdp x tensor", "float32"),
+                               ("nvfp4", "fsdp x tensor", "float32"), ("nvfp4-fwd-mxfp8-bwd", "fsdp x tensor", "output")):
         shape, wspecs = CASES[layout]
         mesh = Mesh(np.array(jax.devices()[:4]).reshape(shape), ("fsdp", "tensor")[:len(shape)])
-        r = distributed.shard_recipe(recipes.by_name(rname), fsdp_axes="fsdp")
+        r = distributed.shard_recipe(recipes.by_name(rname), fsdp_axes="fsdp", reduce_dtype=red)
         sw = [NamedSharding(mesh, s) for s in wspecs]
         f = jax.jit(mlp_loss(r), in_shardings=(sw, NamedSharding(mesh, P("fsdp", None))),
                     out_shardings=(NamedSharding(mesh, P()), sw))
@@ -111,7 +112,8 @@ SCRIPT = textwrap.dedent(
             UNSHARDED[rname] = jax.jit(mlp_loss(recipes.by_name(rname)))(ws, x)
         l1, g1 = UNSHARDED[rname]
         l2, g2 = compiled(ws, x)
-        print("RESULT", json.dumps({"case": "fsdp", "recipe": rname, "layout": layout, "collectives": found,
+        print("RESULT", json.dumps({"case": "fsdp", "recipe": rname, "layout": layout, "reduce_dtype": red,
+                                    "collectives": found,
                                     "weight_elements": [int(w.size) for w in ws],
                                     "loss_1": float(l1), "loss_sharded": float(l2), "n": B * D,
                                     "grads_equal": [bool(np.array_equal(a, b)) for a, b in zip(g1, g2)]}),
@@ -174,7 +176,7 @@ TARGET = {"nvfp4-fwd-mxfp8-bwd": 0.85, "nvfp4": 0.6}
 
 
 def test_fsdp_gathers_codes_and_equals_unsharded(results):
-    fsdp = [r for r in results if r["case"] == "fsdp"]
+    fsdp = [r for r in results if r["case"] == "fsdp" and r["reduce_dtype"] == "float32"]
     assert {(r["recipe"], r["layout"]) for r in fsdp} == {("nvfp4-fwd-mxfp8-bwd", "rows"), ("nvfp4", "columns"),
                                                           ("nvfp4-fwd-mxfp8-bwd", "fsdp x tensor"),
                                                           ("nvfp4", "fsdp x tensor")}
@@ -194,6 +196,17 @@ def test_fsdp_gathers_codes_and_equals_unsharded(results):
         got = sum(c["bytes"] for c in gathers if c["dtypes"] == ["u8"])
         assert got <= TARGET[r["recipe"]] * bf16_bytes, (where, got, bf16_bytes)
         assert got > 0.25 * bf16_bytes, (where, got)  # the codes do cross the wire
+
+
+def test_fsdp_tensor_parallel_reductions_in_bfloat16(results):
+    """fsdp x tensor mesh with reduce_dtype="output": every reduction of a GEMM product (the row-parallel fprop and
+    column-parallel dgrad over "tensor", the weight gradients over "fsdp") runs in bfloat16; only float32 scalars
+    (the loss, tensor amaxes) stay float32. Numerics: the bound of the one-layer test below."""
+    (r,) = [r for r in results if r["case"] == "fsdp" and r["reduce_dtype"] == "output"]
+    sums = [c for c in r["collectives"] if c["op"] in ("all-reduce", "reduce-scatter") and c["elements"] > 1]
+    assert sums and all(c["dtypes"] == ["bf16"] for c in sums), sums
+    ops = {c["op"] for c in sums}
+    assert ops == {"all-reduce", "reduce-scatter"}, sums  # over tensor (activations); over fsdp (weight gradients)
 
 
 def test_reduce_dtype_output_halves_wgrad_bytes(results):
