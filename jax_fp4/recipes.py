@@ -69,7 +69,8 @@ class Recipe:
             raise ValueError(f"{where}: recipe {self.name} rounds an fprop operand stochastically and needs key=...")
         if backward and self.needs_key:
             raise ValueError(f"{where}: recipe {self.name} rounds a gradient operand stochastically: differentiating "
-                             "it needs key=... (forward-only calls need none)")
+                             "it needs key=... (forward-only calls need none); a Flax Linen model takes it as "
+                             "module.apply(variables, x, rngs={'quantize': key}), NNX layers from their rng stream")
 
     def __post_init__(self):
         if not isinstance(self.name, str):

@@ -17,15 +17,17 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import lax
 
 from jax_fp4._src.dimension_numbers import canonical_dimension_numbers
 from jax_fp4.blocking import BlockingError
 from jax_fp4.dense import dot_general as _fp4_dot_general
 from jax_fp4.flax.layer_path import calling_layer_path
+from jax_fp4.flax.nnx_layers import draw_key
 from jax_fp4.recipes import resolve
 
-__all__ = ["make_dot_general", "UnquantizedDotGeneralWarning"]
+__all__ = ["make_dot_general", "StreamDotGeneral", "UnquantizedDotGeneralWarning"]
 
 
 class UnquantizedDotGeneralWarning(UserWarning):
@@ -76,10 +78,18 @@ def make_dot_general(recipe, key=None, *, strict: bool = False, rng_collection: 
     Args:
       recipe: a `jax_fp4.recipes.Recipe` or its name (`recipes.by_name`). `recipes.BF16()` (nothing quantized) calls
         `lax.dot_general` unchanged.
-      key: where the stochastic-rounding keys come from when a call has no ``key=`` argument: None (default: inside
-        a Linen module, a fresh ``module.make_rng(rng_collection)`` per call when that stream exists, e.g.
-        ``apply(..., rngs={"quantize": k})``; else no key), a callable returning a fresh key per call (e.g. an
-        ``nnx.RngStream`` that the model owns), or a fixed PRNG key (the same rounding noise on every call).
+      key: where the stochastic-rounding keys come from when a call has no ``key=`` argument:
+        None (default): inside a Linen module, a fresh ``module.make_rng(rng_collection)`` per call when that
+        stream exists, e.g. ``apply(..., rngs={"quantize": k})``; else no key.
+        An ``nnx.RngStream`` (or ``nnx.Rngs``: its `rng_collection` stream) that the model owns: the result is then
+        a `StreamDotGeneral`, an ``nnx.Module`` holding the stream, so a layer built with it
+        (``nnx.Linear(..., dot_general=make_dot_general(r, key=self.q))``) carries the stream in its state and
+        every call under nnx.jit / nnx.grad / nnx.scan draws a fresh key (the stream advances as state).
+        Forward-only calls whose fprop rounds deterministically leave it alone (`nnx_layers.draw_key`).
+        Another callable: called for a key each time the call is *traced*, so under jax.jit once per compilation:
+        every execution of the compiled step reuses the key it returned then (the same rounding noise every step),
+        unless the callable reads traced state itself; prefer a model-owned RngStream or ``key=`` per call.
+        A fixed PRNG key: the same rounding noise on every call.
         A key is needed only when the forward rounds stochastically or when a call of a stochastic-rounding recipe
         (e.g. `recipes.NVFP4()`) is differentiated; forward-only calls need none.
       strict: False (default): forms that are not quantized (module docstring) run `lax.dot_general` after one
@@ -98,6 +108,9 @@ def make_dot_general(recipe, key=None, *, strict: bool = False, rng_collection: 
       rank, unpaired dimension numbers.
     """
     recipe = resolve(recipe, "make_dot_general")
+    if isinstance(key, (nnx.RngStream, nnx.Rngs)):
+        return StreamDotGeneral(make_dot_general(recipe, strict=strict, rng_collection=rng_collection), key,
+                                rng_collection)
     if key is not None and not callable(key) and not isinstance(key, jax.Array):
         raise TypeError(f"make_dot_general: key must be None, a PRNG key or a callable returning one, got "
                         f"{type(key).__name__}")
@@ -146,3 +159,23 @@ def make_dot_general(recipe, key=None, *, strict: bool = False, rng_collection: 
 
     dot_general.recipe = recipe
     return dot_general
+
+
+class StreamDotGeneral(nnx.Module):
+    """`make_dot_general(recipe, key=stream)` for an ``nnx.RngStream`` / ``nnx.Rngs`` key source: an NNX module
+    holding the stream (so the layer that holds this dot_general carries the stream in its state, through nnx.jit,
+    nnx.grad and nnx.scan) and calling `make_dot_general(recipe)` with a key drawn per call by
+    `jax_fp4.flax.nnx_layers.draw_key` (none for forward-only calls whose fprop rounds deterministically).
+    Attributes: ``recipe``, ``source`` (the stream), ``rng_collection``. Call: as `make_dot_general`'s function."""
+
+    def __init__(self, fn, source, rng_collection: str):
+        self.fn = fn
+        self.recipe = fn.recipe
+        self.source = source
+        self.rng_collection = rng_collection
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None,
+                 *, key=None, **kwargs):
+        if key is None and self.recipe.quantized:
+            key = draw_key(self.recipe, self.source, self.rng_collection, (lhs, rhs), "make_dot_general")
+        return self.fn(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding, key=key, **kwargs)

@@ -25,6 +25,7 @@ from flax.linen.dtypes import promote_dtype
 from jax_fp4.blocking import BlockingError
 from jax_fp4.dense import dense
 from jax_fp4.flax.layer_path import linen_path
+from jax_fp4.flax.nnx_layers import differentiated
 from jax_fp4.policy import Policy
 from jax_fp4.recipes import Recipe, resolve
 
@@ -88,10 +89,17 @@ class Dense(nn.Module):
             try:
                 key = self.make_rng(self.rng_collection)
             except InvalidRngError as e:
-                if recipe.fprop_needs_key:
-                    raise ValueError(f"jax_fp4.flax.linen.Dense: recipe {recipe.name!r} rounds an fprop operand "
-                                     f"stochastically; pass rngs={{{self.rng_collection!r}: key}} to apply") from e
-                # forward-only calls need no key; a differentiated call raises in jax_fp4.dense, naming the key
+                if recipe.fprop_needs_key or differentiated(inputs, kernel, bias):
+                    what = "an fprop" if recipe.fprop_needs_key else "a gradient"
+                    layer = linen_path(self)
+                    raise ValueError(
+                        f"jax_fp4.flax.linen.Dense{'' if layer is None else ' ' + repr(layer)}: recipe {recipe.name!r} "
+                        f"rounds {what} operand stochastically and needs keys from the {self.rng_collection!r} rng "
+                        "collection: "
+                        f"module.apply(variables, x, rngs={{{self.rng_collection!r}: key}}) (a new key per step, "
+                        "e.g. jax.random.fold_in(key, step))") from e
+                # forward-only calls need no key; a differentiated call the layer could not see as one (jax.grad
+                # around jax.jit) raises in jax_fp4.dense's backward, naming the key
         try:
             return dense(inputs, kernel, bias, recipe=recipe, key=key)
         except BlockingError as e:  # name the layer's module path

@@ -155,7 +155,7 @@ class MoEMLP(nnx.Module):
         rows, sizes, capacity = dispatch(experts, self.num_experts, self.alignment)
         up, down = self.up.kernel[...], self.down.kernel[...]
         x2, up, down = dtypes.promote_dtype((x2, up, down), dtype=self.dtype)
-        key = quantize_key(self, rngs)
+        key = quantize_key(self, rngs, (x2, up, down))
         k_up, k_down = (None, None) if key is None else split_rngs(key, 2)
         # Token of every buffer row (t = padding: a zero row), then the gather (its gradient: a scatter-add).
         src = jnp.full((capacity,), t, jnp.int32).at[rows.reshape(-1)].set(

@@ -12,7 +12,9 @@ wgrad dkernel = x.T @ dy. `recipes.BF16()` quantizes nothing (`Dense` is then `n
 activations and bias additions always run unquantized in the compute dtype.
 
 Stochastic rounding: when ``recipe.needs_key`` (e.g. `recipes.NVFP4()` rounds dy stochastically), each `Dense` keeps an
-``nnx.RngStream`` tagged ``"quantize"`` and draws a fresh key on every call, inside `nnx.jit` / `nnx.grad` too. It is
+``nnx.RngStream`` tagged ``"quantize"`` and draws a fresh key on every differentiated call (and on every call when an
+fprop operand rounds stochastically), inside `nnx.jit` / `nnx.grad` / `nnx.scan` too; forward-only calls of a
+deterministic forward leave it alone, so a model closed over by `jax.jit` runs inference (`nnx_layers.draw_key`). It is
 seeded at construction by one draw from ``rngs.quantize`` when the `Rngs` has a ``quantize`` stream; otherwise it is
 derived from the params stream's current key and count without drawing from it (`quantize_stream`), so no stream of
 the model advances and a model's weights and dropout masks are the same with a stochastic-rounding recipe as with
@@ -114,9 +116,9 @@ class Dense(nnx.Module):
         probe = getattr(self, "quant_probe", None)  # set by jax_fp4.flax.diagnostics.instrument
         try:
             if probe is not None:
-                return _diagnostics.dense(x, kernel, bias, recipe=self.recipe, key=quantize_key(self, rngs),
-                                          probe=probe[...])
-            return dense(x, kernel, bias, recipe=self.recipe, key=quantize_key(self, rngs))
+                return _diagnostics.dense(x, kernel, bias, recipe=self.recipe,
+                                          key=quantize_key(self, rngs, (x, kernel, bias)), probe=probe[...])
+            return dense(x, kernel, bias, recipe=self.recipe, key=quantize_key(self, rngs, (x, kernel, bias)))
         except BlockingError as e:  # name the layer's module path in the model
             raise e.with_layer(nnx_path(self) or type(self).__name__) from None
 

@@ -7,10 +7,12 @@ import zlib
 
 import jax
 from flax import nnx
+from flax.errors import TraceContextError
 
 from jax_fp4.recipes import Recipe, resolve
 
-__all__ = ["NORMS", "RngsLike", "check_recipe", "make_norm", "quantize_key", "quantize_stream", "split_rngs"]
+__all__ = ["NORMS", "RngsLike", "check_recipe", "differentiated", "draw_key", "make_norm", "quantize_key",
+           "quantize_stream", "split_rngs"]
 
 NORMS = ("layernorm", "rmsnorm")
 
@@ -58,20 +60,67 @@ def quantize_stream(recipe: Recipe, rngs: nnx.Rngs, rng_collection: str, where: 
     return nnx.RngStream(seed, tag=rng_collection)
 
 
-def quantize_key(layer, rngs: RngsLike):
+def differentiated(*operands) -> bool | None:
+    """Whether a call on `operands` (arrays / pytrees) is being differentiated: True when one of them carries a
+    reverse- or forward-mode tracer (jax.grad, nnx.grad, jax.vjp, jax.jvp), False when none is traced at all (an
+    eager call), None when that cannot be told (traced by jax.jit / nnx.jit only, which may sit inside a grad)."""
+    unknown = False
+    for leaf in jax.tree.leaves(operands):
+        while isinstance(leaf, jax.core.Tracer):
+            kind = type(leaf).__name__
+            if kind in ("JVPTracer", "LinearizeTracer"):
+                return True
+            if kind == "BatchTracer":
+                leaf = leaf.val
+                continue
+            unknown = True
+            break
+    return None if unknown else False
+
+
+def draw_key(recipe: Recipe, source, rng_collection: str, operands, where: str):
+    """A stochastic-rounding key for one GEMM call of `recipe` from `source` (nnx.Rngs: its `rng_collection`
+    stream; nnx.RngStream; a PRNG key, used as is), or None when the call needs none.
+
+    A stream is left alone where the call is forward only and its fprop operands round deterministically (the key
+    would only serve the backward): in eager calls, and where the stream cannot be advanced because it belongs to
+    an outer trace (a model closed over by `jax.jit`: plain jit inference works). A differentiated call, or one
+    whose fprop rounds stochastically, draws; from a stream of an outer trace that raises ValueError saying to
+    pass the model through the nnx transforms (nnx.jit / nnx.grad / nnx.scan, which carry the stream as state) or
+    a key (``rngs=key``).
+    """
+    if not recipe.needs_key:
+        return None
+    if isinstance(source, jax.Array):
+        return source
+    if isinstance(source, nnx.Rngs):
+        source = source[rng_collection]
+    if not isinstance(source, nnx.RngStream):
+        raise TypeError(f"{where}: rngs must be an nnx.Rngs, nnx.RngStream or a PRNG key, got "
+                        f"{type(source).__name__}")
+    diff = None if recipe.fprop_needs_key else differentiated(*operands)
+    if diff is False:
+        return None
+    try:
+        return source()
+    except TraceContextError as e:
+        if diff is None and not recipe.fprop_needs_key:
+            return None  # forward only as far as can be told: a differentiated call raises for the missing key
+        raise ValueError(f"{where}: recipe {recipe.name!r} needs a stochastic-rounding key, but the layer's rng "
+                         f"stream ({rng_collection!r}) belongs to an outer trace (a model closed over by jax.jit / "
+                         "jax.grad) and cannot advance here. Pass the model through nnx.jit / nnx.grad / nnx.scan "
+                         "(they carry the stream as state), or give the call a key: layer(x, rngs=key)") from e
+
+
+def quantize_key(layer, rngs: RngsLike, operands=()):
     """The stochastic-rounding key of one call of `layer` (a module with ``recipe``, ``rngs`` from `quantize_stream`
-    and ``rng_collection``): None when the recipe needs none, else a fresh draw from the call's `rngs` (Rngs: its
-    ``rng_collection`` stream; RngStream; a key, used as is), or from the layer's own stream when `rngs` is None."""
+    and ``rng_collection``) on `operands` (x, kernel, ...): `draw_key` from the call's `rngs` (Rngs, RngStream or a
+    key), or from the layer's own stream when `rngs` is None. None when the recipe needs none, and for forward-only
+    calls whose fprop rounds deterministically (the stream is left alone, see `draw_key`)."""
     if not layer.recipe.needs_key:
         return None
-    rngs = layer.rngs if rngs is None else rngs
-    if isinstance(rngs, nnx.Rngs):
-        return rngs[layer.rng_collection]()
-    if isinstance(rngs, nnx.RngStream):
-        return rngs()
-    if isinstance(rngs, jax.Array):
-        return rngs
-    raise TypeError(f"rngs must be an nnx.Rngs, nnx.RngStream or a PRNG key, got {type(rngs).__name__}")
+    return draw_key(layer.recipe, layer.rngs if rngs is None else rngs, layer.rng_collection, operands,
+                    type(layer).__name__)
 
 
 def make_norm(kind, num_features, epsilon, dtype, param_dtype, rngs):
