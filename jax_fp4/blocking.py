@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 
 from jax_fp4.formats import Format
-from jax_fp4.recipes import RECIPES, Recipe
+from jax_fp4.recipes import RECIPES, Recipe, resolve
 
 __all__ = ["BlockingError", "ROLES", "operand_needs", "needs", "check", "unblocked", "recipes_that_block",
            "layer_note"]
@@ -73,7 +73,8 @@ def operand_needs(fmt: Format | None, role: str, *, differentiated: bool = True)
 
 def needs(recipe: Recipe, *, differentiated: bool) -> dict[str, int]:
     """{"M", "K", "N": the multiple each must be} for `recipe`: every operand when differentiated (training), the
-    fprop operands only when not (inference). 1 means any size."""
+    fprop operands only when not (inference). 1 means any size. `recipe`: a Recipe or its name."""
+    recipe = resolve(recipe, "blocking.needs")
     out = {"M": 1, "K": 1, "N": 1}
     for role, (field, *_rest) in ROLES.items():
         if not differentiated and role not in _FPROP:
@@ -86,6 +87,7 @@ def needs(recipe: Recipe, *, differentiated: bool) -> dict[str, int]:
 def unblocked(recipe: Recipe, M: int, K: int, N: int, *, differentiated: bool) -> list[str]:
     """One line per operand of `recipe` that cannot be blocked at these sizes (empty when every one can), e.g.
     "dgrad dy [M=64, N=16] (MXFP8() blocks along N): N=16 is not a multiple of 32"."""
+    recipe = resolve(recipe, "blocking.unblocked")
     sizes = {"M": M, "K": K, "N": N}
     bad = []
     for role, (field, tensor, block_dim, other_dim) in ROLES.items():

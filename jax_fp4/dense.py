@@ -76,6 +76,7 @@ def gemm_routes(recipe: Recipe, implementation: str = "auto") -> dict:
     1x64; the others stay emulated) and raises ValueError on a device without it; "emulated" emulates every
     quantized GEMM. Raises ValueError for an unknown implementation.
     """
+    recipe = resolve(recipe, "dense.gemm_routes")  # a Recipe or its name
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"dense: implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     return recipe_routes(recipe, implementation)

@@ -50,7 +50,7 @@ from jax_fp4.dense import dense as _dense
 from jax_fp4.formats import MXFP8, NVFP4
 from jax_fp4.quantize import dequantize, quantize, quantize_rowwise_columnwise
 from jax_fp4.quantized_array import QuantizedArray
-from jax_fp4.recipes import Recipe
+from jax_fp4.recipes import Recipe, resolve
 from jax_fp4.reference import rht
 
 __all__ = ["STATS", "OPERANDS", "quantization_stats", "operand_stats", "unquantized_stats", "dense", "dense_stats",
@@ -194,7 +194,9 @@ _record.defvjp(_record_fwd, _record_bwd)
 
 def dense_stats(x, kernel, *, recipe: Recipe, key=None) -> jax.Array:
     """float32[6, 6] of the forward operands of `jax_fp4.dense(x, kernel, recipe=recipe, key=key)` (rows `OPERANDS`,
-    columns `STATS`); the dy rows (dgrad_dy, wgrad_dy) are NaN (dy exists in the backward only: see `dense`)."""
+    columns `STATS`); the dy rows (dgrad_dy, wgrad_dy) are NaN (dy exists in the backward only: see `dense`).
+    `recipe`: a Recipe or its name."""
+    recipe = resolve(recipe, "diagnostics.dense_stats")
     x = jnp.asarray(x)
     return _forward_stats(x.reshape(-1, x.shape[-1]), jnp.asarray(kernel), recipe, *operand_keys(key)[:2])
 
@@ -211,6 +213,7 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, probe):
     Returns:
       y, as `jax_fp4.dense`.
     """
+    recipe = resolve(recipe, "diagnostics.dense")
     x, kernel = jnp.asarray(x), jnp.asarray(kernel)
     y = _dense(x, kernel, bias, recipe=recipe, key=key)
     if jnp.shape(probe) != probe_shape():

@@ -14,9 +14,11 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jax_fp4.formats import Format
 from jax_fp4.quantize import dequantize, quantize
+from jax_fp4.validation import check_key
 
 __all__ = ["fake_quantize"]
 
@@ -29,24 +31,24 @@ def _clipped(x, q, y):
     return (codes == q.fmt.max_value) & (jnp.abs(x.astype(jnp.float32)) > jnp.abs(y.astype(jnp.float32)))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+@partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
 def _fake_quantize(fmt, axis, clip_gradient, x, key):
     return dequantize(quantize(x, fmt, axis=axis, key=key), x.dtype)
 
 
-def _fwd(fmt, axis, clip_gradient, x, key):
-    q = quantize(x, fmt, axis=axis, key=key)
-    y = dequantize(q, x.dtype)
-    return y, (_clipped(x, q, y) if clip_gradient else None)
-
-
-def _bwd(fmt, axis, clip_gradient, mask, g):
-    if mask is not None:
-        g = jnp.where(mask, jnp.zeros_like(g), g)
-    return g, None
-
-
-_fake_quantize.defvjp(_fwd, _bwd)
+@_fake_quantize.defjvp
+def _fake_quantize_jvp(fmt, axis, clip_gradient, primals, tangents):
+    """The straight-through rule in forward mode: the tangent passes (zero where clipped). It is linear in the
+    tangent, so JAX transposes it for reverse mode, and the primal is `_fake_quantize` itself, so higher orders (a
+    Hessian) differentiate the same rule again (the STE's second derivative is 0)."""
+    x, key = primals
+    t, _ = tangents
+    y = _fake_quantize(fmt, axis, clip_gradient, x, key)
+    if clip_gradient:
+        xs = lax.stop_gradient(x)  # the mask is piecewise constant in x
+        q = quantize(xs, fmt, axis=axis, key=key)
+        t = jnp.where(_clipped(xs, q, dequantize(q, x.dtype)), jnp.zeros_like(t), t)
+    return y, t
 
 
 def fake_quantize(x, fmt: Format, axis: int = -1, *, key=None, clip_gradient: bool = False):
@@ -66,11 +68,15 @@ def fake_quantize(x, fmt: Format, axis: int = -1, *, key=None, clip_gradient: bo
     Returns:
       x.dtype, x.shape: ``dequantize(quantize(x, fmt, axis=axis, key=key), x.dtype)``, bit for bit.
 
-    Gradient: a custom VJP (jax.grad, jax.vjp, jax.jacrev; jax.linearize). NaN / Inf cotangents pass unchanged.
+    Derivatives: a custom JVP (the straight-through rule in forward mode, linear in the tangent), so every JAX
+    transformation works: jax.grad, jax.vjp, jax.jacrev (reverse mode, by transposing it), jax.jvp, jax.jacfwd,
+    jax.linearize, and jax.hessian (second derivative 0: the STE is linear). NaN / Inf tangents and cotangents pass
+    unchanged (zero where clipped with clip_gradient=True).
 
     Raises:
       ValueError / TypeError as `jax_fp4.quantize` (bad dtype, shape, axis or a missing key); ValueError for
-      clip_gradient with an RHT format; TypeError when `fmt` is not a Format or clip_gradient not a bool.
+      clip_gradient with an RHT format; TypeError when `fmt` is not a Format, clip_gradient not a bool, or `key`
+      neither None nor a JAX PRNG key.
     """
     if not isinstance(fmt, Format):
         raise TypeError(f"fake_quantize: fmt must be a jax_fp4 Format (jax_fp4.NVFP4(), jax_fp4.MXFP8()), got "
@@ -80,6 +86,7 @@ def fake_quantize(x, fmt: Format, axis: int = -1, *, key=None, clip_gradient: bo
     if clip_gradient and fmt.rht:
         raise ValueError(f"fake_quantize: clip_gradient needs an elementwise quantizer; {fmt!r} applies the RHT, "
                          "which mixes each 16-element chunk")
+    check_key(key, "fake_quantize")
     x = jnp.asarray(x)
-    axis = fmt.normalize_axis(x.shape, axis)  # clear errors (axis=None, out of range) before the custom VJP
+    axis = fmt.normalize_axis(x.shape, axis)  # clear errors (axis=None, out of range) before the custom JVP
     return _fake_quantize(fmt, axis, clip_gradient, x, key)

@@ -41,7 +41,7 @@ import math
 import re
 from collections.abc import Callable, Iterable
 
-from jax_fp4.recipes import BF16, Recipe
+from jax_fp4.recipes import BF16, Recipe, by_name
 
 __all__ = ["Rule", "Policy", "UnmatchedRuleError", "uniform", "first_blocks", "last_blocks", "last_fraction",
            "mlp_only", "exclude", "block_segments", "path_str", "format_table", "recording"]
@@ -73,8 +73,9 @@ def path_str(path) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """pattern -> recipe. pattern: a glob, or "re:<regex>" (see the module docstring); recipe: a `Recipe`, or None
-    for the policy's default (a rule that shields layers from later rules, as `mlp_only` does)."""
+    """pattern -> recipe. pattern: a glob, or "re:<regex>" (see the module docstring); recipe: a `Recipe` or its
+    name (`recipes.by_name`, stored as the Recipe), or None for the policy's default (a rule that shields layers
+    from later rules, as `mlp_only` does)."""
 
     pattern: str
     recipe: Recipe | None
@@ -82,9 +83,11 @@ class Rule:
     def __post_init__(self):
         if not isinstance(self.pattern, str) or not self.pattern:
             raise ValueError(f"Rule: pattern must be a non-empty string, got {self.pattern!r}")
+        if isinstance(self.recipe, str):  # a recipe name, as everywhere (recipes.by_name; ValueError if unknown)
+            object.__setattr__(self, "recipe", by_name(self.recipe))
         if self.recipe is not None and not isinstance(self.recipe, Recipe):
-            raise TypeError(f"Rule {self.pattern!r}: recipe must be a jax_fp4.recipes.Recipe or None, got "
-                            f"{type(self.recipe).__name__}")
+            raise TypeError(f"Rule {self.pattern!r}: recipe must be a jax_fp4.recipes.Recipe, a recipe name or None, "
+                            f"got {type(self.recipe).__name__}")
         try:
             _compiled(self.pattern)
         except re.error as e:
@@ -126,7 +129,8 @@ class Policy:
 
     Args:
       rules: `Rule`s or (pattern, recipe) pairs, tried in order; the first match wins.
-      default: the recipe of a layer no rule matches; None: such a layer keeps the recipe it was built with.
+      default: the recipe (a `Recipe` or its name) of a layer no rule matches; None: such a layer keeps the recipe
+        it was built with.
 
     Hashable and comparable by value (a valid `jax.jit` static argument).
     """
@@ -136,8 +140,10 @@ class Policy:
 
     def __post_init__(self):
         object.__setattr__(self, "rules", tuple(_rule(r) for r in self.rules))
+        if isinstance(self.default, str):  # a recipe name (recipes.by_name)
+            object.__setattr__(self, "default", by_name(self.default))
         if self.default is not None and not isinstance(self.default, Recipe):
-            raise TypeError(f"Policy: default must be a jax_fp4.recipes.Recipe or None, got "
+            raise TypeError(f"Policy: default must be a jax_fp4.recipes.Recipe, a recipe name or None, got "
                             f"{type(self.default).__name__}")
 
     def __add__(self, other: Policy) -> Policy:

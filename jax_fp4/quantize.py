@@ -25,7 +25,7 @@ from jax_fp4.quantized_array import SCALE_LAYOUTS, ExactOperand, QuantizedArray
 from jax_fp4.reference import layout
 from jax_fp4.reference.nvfp4 import tensor_decode_scale, window_nan
 from jax_fp4.reference.sr import philox_key
-from jax_fp4.validation import check_quantize_inputs
+from jax_fp4.validation import check_key, check_quantize_inputs
 
 __all__ = ["quantize", "quantize_rowwise_columnwise", "dequantize", "swizzle_scales", "unswizzle_scales"]
 
@@ -172,6 +172,7 @@ def quantize_rowwise_columnwise(x, row_fmt: Format | None, col_fmt: Format | Non
     M, K = math.prod(x.shape[:-1]), x.shape[-1]
     x2 = x.reshape(M, K)
     needs_key = any(f is not None and f.needs_key for f in (row_fmt, col_fmt))
+    check_key(key, "quantize_rowwise_columnwise")  # a non-key is refused even where no format rounds stochastically
     keys = jax.random.split(key) if (needs_key and key is not None) else (None, None)
     if row_fmt is not None:
         check_quantize_inputs(x, row_fmt, -1, keys[0])

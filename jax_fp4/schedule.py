@@ -7,7 +7,7 @@ forward GEMMs before the learning-rate decay; TransformerEngine users ask for it
 `PrecisionSwitch(at, to, scope)`:
   at     an int >= 0: the first step (0-based) trained after the switch; or a float in (0, 1): that fraction of the
          total steps, the switch step being round(at * total_steps)
-  to     the `Recipe` to switch to (e.g. `recipes.BF16()` or `recipes.MXFP8()`)
+  to     the `Recipe` to switch to (e.g. `recipes.BF16()` or `recipes.MXFP8()`), or its name ("bf16")
   scope  "fwd": only the fprop operands (x and w of y = x @ w) take `to`'s formats, the dgrad / wgrad operands keep
          theirs; "all": every GEMM becomes `to`
 Layers whose recipe is unquantized (BF16, e.g. kept so by a `jax_fp4.policy.Policy`) stay unquantized.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from jax_fp4.policy import Policy
-from jax_fp4.recipes import Recipe
+from jax_fp4.recipes import Recipe, resolve
 
 __all__ = ["PrecisionSwitch", "SCOPES"]
 
@@ -34,9 +34,11 @@ SCOPES = ("fwd", "all")
 class PrecisionSwitch:
     """Switch the recipe at step `at` (int) or fraction `at` (float in (0, 1)) of training; see the module docstring.
 
+    `to` may be a `Recipe` or its name (`recipes.by_name`: "bf16", "mxfp8", ...), stored as the Recipe.
+
     Raises (at construction):
-      ValueError: a negative step, a fraction outside (0, 1), an unknown scope.
-      TypeError: `to` not a Recipe.
+      ValueError: a negative step, a fraction outside (0, 1), an unknown scope, an unknown recipe name.
+      TypeError: `to` neither a Recipe nor a str.
     """
 
     at: int | float
@@ -50,8 +52,7 @@ class PrecisionSwitch:
             raise ValueError(f"PrecisionSwitch: the switch step must be >= 0, got {self.at}")
         if isinstance(self.at, float) and not 0.0 < self.at < 1.0:
             raise ValueError(f"PrecisionSwitch: a fraction of training must be in (0, 1), got {self.at}")
-        if not isinstance(self.to, Recipe):
-            raise TypeError(f"PrecisionSwitch: to must be a jax_fp4.recipes.Recipe, got {type(self.to).__name__}")
+        object.__setattr__(self, "to", resolve(self.to, "PrecisionSwitch (to)"))
         if self.scope not in SCOPES:
             raise ValueError(f"PrecisionSwitch: scope must be one of {SCOPES}, got {self.scope!r}")
 
@@ -64,7 +65,9 @@ class PrecisionSwitch:
         return int(step >= self.switch_step(total_steps))
 
     def recipe(self, recipe: Recipe) -> Recipe:
-        """The recipe a layer with `recipe` uses after the switch (an unquantized recipe is kept)."""
+        """The recipe a layer with `recipe` (a Recipe or its name) uses after the switch (an unquantized recipe is
+        kept)."""
+        recipe = resolve(recipe, "PrecisionSwitch.recipe")
         if not recipe.quantized:
             return recipe
         if self.scope == "all":

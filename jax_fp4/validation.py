@@ -19,7 +19,7 @@ import numpy as np
 from jax_fp4.formats import MXFP8, NVFP4, Format
 
 __all__ = [
-    "Representation", "check_format", "check_quantize_inputs", "check_static_alignment", "group_dims",
+    "Representation", "check_format", "check_key", "check_quantize_inputs", "check_static_alignment", "group_dims",
     "normalize_axis", "static_block_dim", "validate",
 ]
 
@@ -32,14 +32,31 @@ def check_quantize_inputs(x, fmt: Format, axis: int, key) -> int:
 
     Raises:
       ValueError: fmt not a format spec; as `Format.validate` (dtype, rank, block alignment); stochastic rounding
-      without a key.
+      without a key. TypeError: a key that is not a JAX PRNG key (`check_key`), even for a deterministic format.
     """
     if not isinstance(fmt, Format):
         raise ValueError(f"quantize: fmt must be jax_fp4.NVFP4(...) or jax_fp4.MXFP8(...), got {fmt!r}")
     axis = fmt.validate(jnp.shape(x), jnp.result_type(x), axis)
+    check_key(key, f"quantize {fmt!r}")
     if fmt.needs_key and key is None:
         raise ValueError(f"{fmt!r}: stochastic rounding needs a PRNG key (quantize(..., key=key)); x {jnp.shape(x)}")
     return axis
+
+
+def check_key(key, where: str) -> None:
+    """TypeError naming `where` when `key` is neither None nor a JAX PRNG key: a typed key (`jax.random.key(seed)`,
+    dtype key<...>) or a raw uint32[..., 2] key (`jax.random.PRNGKey(seed)`). Checked whether or not the format
+    rounds stochastically, so a wrong argument is never silently ignored."""
+    if key is None:
+        return
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        return
+    if dtype is not None and dtype == jnp.uint32 and tuple(jnp.shape(key))[-1:] == (2,):
+        return
+    got = f"{dtype}{list(jnp.shape(key))}" if dtype is not None else repr(key)
+    raise TypeError(f"{where}: key must be None or a JAX PRNG key (jax.random.key(seed)), got {type(key).__name__} "
+                    f"{got}")
 
 
 # ---- grouped tensors ---------------------------------------------------------------------------------------------
@@ -161,6 +178,8 @@ def check_format(fmt, key, what: str = "grouped_quantize"):
                          f"single-tensor only; for N same-shape tensors such as expert weights use "
                          f"jax.vmap(jax_fp4.quantize)); use NVFP4 1D (optionally rht / stochastic_rounding) or "
                          f"MXFP8")
+    if key is not True:  # (ragged_dot checks the format alone with key=True)
+        check_key(key, f"{what} {fmt!r}")
     if fmt.needs_key and key is None:
         raise ValueError(f"{what}: {fmt!r} needs a PRNG key ({what}(..., key=key))")
 

@@ -74,8 +74,9 @@ def test_forms_and_composition():
         P.last_fraction(1.5, num_blocks=3)
     with pytest.raises(ValueError, match="bad regular expression"):
         P.Rule("re:blocks/(", BF16)
-    with pytest.raises(TypeError, match="recipe must be a jax_fp4.recipes.Recipe or None"):
-        P.Rule("x", "bf16")
+    with pytest.raises(TypeError, match="recipe must be a jax_fp4.recipes.Recipe"):
+        P.Rule("x", 3)
+    assert P.Rule("x", "bf16").recipe == BF16  # a recipe name, as everywhere
     with pytest.raises(TypeError, match="a rule must be a Rule or a"):
         P.Policy(("x",))
 
