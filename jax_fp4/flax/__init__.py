@@ -3,6 +3,7 @@
   jax_fp4.flax.nnx     NNX modules   Dense, LayerNormDense, LayerNormMLP (GELU / SwiGLU)
   jax_fp4.flax.linen   Linen modules Dense, LayerNormDense, LayerNormMLP (GELU / SwiGLU)
   make_dot_general     a drop-in ``dot_general`` for existing Flax modules (nnx.Linear, nn.Dense, ...)
+  einsum.make_einsum   a drop-in ``jnp.einsum`` (nnx.Einsum's einsum_op; einsum-written models)
 
 Every layer takes a `jax_fp4.recipes.Recipe` (BF16, MXFP8, NVFP4, NVFP4Fwd_MXFP8Bwd, NVFP4_1x64, ...) naming the
 format of each GEMM operand in fprop, dgrad and wgrad; only the GEMMs are quantized (norms, activations and bias
