@@ -6,7 +6,8 @@ sharded P("fsdp", None) and P(None, "fsdp"), tokens sharded over "fsdp"), with a
   fsdp         shard_recipe(recipe, fsdp_axes="fsdp"): codes and block scales gathered
   fsdp+output  also reduce_dtype="output": weight gradients reduce-scattered in bfloat16
 Collectives are read from the HLO right after SPMD partitioning (an XLA dump; the dtypes the program asks for,
-before a backend widens them), the all-reduce count from the compiled HLO.
+before a backend widens them), the all-reduce count from the compiled HLO. peak_bytes_in_use is the process's peak
+so far (device 0): for a per-variant figure run one variant a process (--runs recipe:variant).
 
     python tools/profile_fsdp.py --out $OUT/profile_fsdp.json            # every local device on the "fsdp" axis
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \\
