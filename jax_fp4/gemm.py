@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_fp4._src.dimension_numbers import canonical_dimension_numbers, product_shape
+from jax_fp4._src.dimension_numbers import canonical_dimension_numbers, check_dot_shapes
 from jax_fp4._src.primitives import gemm as _gemm_prim
 from jax_fp4._src.primitives.gemm import exact_operand, exact_product
 from jax_fp4._src.primitives.gemm_operands import kernel_operand, native_operand
@@ -55,15 +55,13 @@ __all__ = ["scaled_dot_general", "exact_dot_general", "exact_operand", "ExactOpe
 
 
 def _check(a, b, dimension_numbers):
+    """(canonical dimension numbers, product shape) of two valid QuantizedArrays contracted along their block axes."""
     for name, q in (("lhs", a), ("rhs", b)):
         if not isinstance(q, QuantizedArray):
             raise ValueError(f"scaled_dot_general: {name} must be a jax_fp4.QuantizedArray, got {type(q).__name__}")
         q.validate()
-    (ca, cb), (ba, bb) = canonical_dimension_numbers(dimension_numbers, len(a.shape), len(b.shape))
-    for d0, d1 in zip(ca + ba, cb + bb, strict=True):
-        if a.shape[d0] != b.shape[d1]:
-            raise ValueError(f"scaled_dot_general: lhs dimension {d0} ({a.shape[d0]}) != rhs dimension {d1} "
-                             f"({b.shape[d1]}) for lhs {a!r} and rhs {b!r} with {dimension_numbers}")
+    dn, shape = check_dot_shapes(dimension_numbers, a.shape, b.shape, "scaled_dot_general")
+    (ca, cb), _ = dn
     for name, q, c in (("lhs", a, ca), ("rhs", b, cb)):
         if q.axis % len(q.shape) not in c:
             raise ValueError(
@@ -73,14 +71,13 @@ def _check(a, b, dimension_numbers):
     rht = [q.fmt.rht for q in (a, b)]
     if rht[0] != rht[1]:
         raise ValueError(f"scaled_dot_general: RHT operands come in pairs (the transform cancels): {a!r} x {b!r}")
-    return ((ca, cb), (tuple(ba), tuple(bb)))
+    return dn, shape
 
 
-def _check_bias(bias, a, b, dn):
-    """bias as float32 [out.shape[-1]], or None."""
+def _check_bias(bias, shape):
+    """bias as float32 [shape[-1]] (shape: the product's), or None."""
     if bias is None:
         return None
-    shape = product_shape(a.shape, b.shape, dn)
     if not shape or jnp.shape(bias) != shape[-1:] or not jnp.issubdtype(jnp.result_type(bias), jnp.floating):
         raise ValueError(f"scaled_dot_general: bias must be a float array of shape {shape[-1:]} (the last axis of the "
                          f"product {shape}), got {jnp.result_type(bias)}{list(jnp.shape(bias))}")
@@ -186,8 +183,8 @@ def scaled_dot_general(a: QuantizedArray, b: QuantizedArray, dimension_numbers, 
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"scaled_dot_general: implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    dn = _check(a, b, dimension_numbers)
-    bias = _check_bias(bias, a, b, dn)
+    dn, shape = _check(a, b, dimension_numbers)
+    bias = _check_bias(bias, shape)
     out_dtype = jnp.dtype(preferred_element_type)
     route = _route(a, b, dn, implementation, bias)
     if route == "kernel":

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-__all__ = ["canonical_dimension_numbers", "product_shape"]
+__all__ = ["canonical_dimension_numbers", "product_shape", "check_dot_shapes"]
 
 
 def canonical_dimension_numbers(dimension_numbers, lhs_ndim: int, rhs_ndim: int):
@@ -41,3 +41,20 @@ def product_shape(lhs_shape, rhs_shape, dn) -> tuple[int, ...]:
     free_l = [lhs_shape[i] for i in range(len(lhs_shape)) if i not in cl and i not in bl]
     free_r = [rhs_shape[i] for i in range(len(rhs_shape)) if i not in cr and i not in br]
     return (*(lhs_shape[i] for i in bl), *free_l, *free_r)
+
+
+def check_dot_shapes(dimension_numbers, lhs_shape, rhs_shape, where: str):
+    """(canonical dimension numbers, product shape) of lhs . rhs, with tuple batch lists.
+
+    Raises:
+      ValueError (beginning with `where`): the errors of `canonical_dimension_numbers`; paired contracting or batch
+      dimensions of different lengths.
+    """
+    (cl, cr), (bl, br) = canonical_dimension_numbers(dimension_numbers, len(lhs_shape), len(rhs_shape))
+    for d0, d1 in zip(cl + bl, cr + br, strict=True):
+        if lhs_shape[d0] != rhs_shape[d1]:
+            raise ValueError(f"{where}: lhs dimension {d0} ({lhs_shape[d0]}) != rhs dimension {d1} ({rhs_shape[d1]}) "
+                             f"for lhs shape {tuple(lhs_shape)} and rhs shape {tuple(rhs_shape)} with "
+                             f"{dimension_numbers}")
+    dn = ((cl, cr), (tuple(bl), tuple(br)))
+    return dn, product_shape(lhs_shape, rhs_shape, dn)
