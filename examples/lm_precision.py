@@ -9,8 +9,8 @@ Flags (added to train_lm's parser by `add_arguments`):
                                                             training (0 < X < 1): the forward GEMMs or all of them
   --diagnostics N                                           every N steps a diagnostics step (the same update) records
                                                             per-layer, per-operand quantization statistics
-Per-block rules need unscanned blocks: they turn --scan off. BF16 runs ignore the policy and the switch (nothing to
-change), so "bf16" stays the baseline's name; other runs are named recipe+tag+tag (e.g.
+Per-block rules on scanned blocks split the stack into segments (one scan each). BF16 runs ignore the policy and the
+switch (nothing to change), so "bf16" stays the baseline's name; other runs are named recipe+tag+tag (e.g.
 "nvfp4-fwd-mxfp8-bwd+bf16-last1+switch0.9-bf16-fwd"), with "@s<seed>" under --seeds.
 """
 

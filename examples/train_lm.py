@@ -1,23 +1,30 @@
-"""Train a byte-level GPT whose attention projections and MLPs run through jax_fp4's quantized layers.
+"""Train a GPT- or Llama-style decoder whose attention projections and MLPs run through jax_fp4's quantized layers.
 
     python examples/train_lm.py --compare --preset tiny --out runs/tiny          # every recipe, CPU: a few minutes
     python examples/train_lm.py --recipe nvfp4 --preset small --steps 2000       # one recipe, one GPU
     python examples/train_lm.py --recipe mxfp8 --data book.txt --resume --out runs/book
     python examples/train_lm.py --compare --preset small --mesh 2x1      # 2 GPUs, data parallel (1x2: tensor)
     python examples/train_lm.py --compare --moe 8 --top-k 2              # mixture-of-experts MLPs (8 experts, top-2)
+    python examples/train_lm.py --recipes bf16,nvfp4-fwd-mxfp8-bwd --preset large --mesh 1x2x1    # ~1B, 2 GPUs, fsdp
 
 The model (examples/lm_model.py): a pre-norm decoder with rotary positions; qkv, the attention output projection
-and the MLP are `jax_fp4.flax.nnx` layers (`LayerNormDense`, `Dense`, `LayerNormMLP`) following the recipe, the
-embedding, norms, attention scores and logits head stay bfloat16. AdamW (warmup + cosine, global-norm clipping) in
-one jitted train step. Data (examples/lm_data.py): the Python standard library's .py files (no download; split by
-file) or any --data FILE (split by contiguous region), byte tokens. `--compare` trains every recipe from the same
-initial weights on the same batches in the same order.
+and the MLP are `jax_fp4.flax.nnx` layers following the recipe, the embedding, norms, attention scores and logits head
+stay bfloat16. --arch gpt (LayerNorm, GELU MLP, biases; tiny / small / medium) or llama (RMSNorm, SwiGLU MLP
+--mlp-hidden, grouped-query attention --kv-heads, no biases; examples/lm_layers.py); --remat none|quantized|full
+checkpoints every block (quantized: keep the quantized GEMM residuals). AdamW (warmup + cosine, global-norm
+clipping) in one jitted train step. Data (examples/lm_data.py): the Python standard library's .py files (no download;
+split by file) or any --data FILE (split by contiguous region); byte tokens, or --tokenizer bpe --vocab N: a
+byte-level BPE trained on the corpus with Hugging Face tokenizers (examples/lm_tokenizer.py, cached under
+--out/tokenizer). `--compare` trains every recipe from the same initial weights on the same batches in the same order.
+--preset large: Llama-style, 1.01B parameters, seq 2048, BPE 32768, scanned blocks, remat quantized; large-350m: the
+same at 0.34B.
 
---mesh DATAxTENSOR (e.g. 2x1, 1x2, 2x4; the product = the device count) runs the step on a (data, tensor) mesh:
-the batch split over "data", and Megatron-style tensor parallelism over "tensor" (qkv and MLP-up kernels split by
-columns, attention-output and MLP-down kernels by rows, attention by heads); see examples/lm_model.py. The jax_fp4
-quantize primitives run per shard with the tensor amaxes reduced across shards. Without --mesh: one device, as before.
-Checkpoints hold global arrays: a run may resume on another mesh.
+--mesh DATAxTENSOR or DATAxFSDPxTENSOR (e.g. 2x1, 1x2, 1x2x1, 2x2x2; the product = the device count) runs the step on
+a (data, fsdp, tensor) mesh (examples/lm_mesh.py): the batch split over data x fsdp, every matrix and its AdamW
+moments split over "fsdp", and Megatron-style tensor parallelism over "tensor" (qkv and MLP-up kernels split by
+columns, attention-output and MLP-down kernels by rows, attention by heads). The jax_fp4 quantize primitives run per
+shard with the tensor amaxes reduced across shards. Without --mesh: one device, as before. Checkpoints hold global
+arrays: a run may resume on another mesh.
 
 --moe [E] (default E = 8 when the flag is given alone) replaces every block's MLP by a `jax_fp4.flax.moe.MoEMLP`: a
 bfloat16 router choosing --top-k K experts per token (default 2, dropless), each expert a GELU MLP as wide as the
@@ -28,7 +35,7 @@ is logged as aux_loss; train_loss / val_loss stay the cross-entropy. With --mesh
 
 Precision control (examples/lm_precision.py): --bf16-first / --bf16-last N, --bf16-last-fraction F, --mxfp8-first /
 --mxfp8-last N, --policy-mlp-only, --exclude PATTERN build a `jax_fp4.policy.Policy` (the layer -> recipe table is
-printed; per-block rules turn --scan off); --switch-at X [--switch-to R --switch-scope fwd|all] switches the recipe
+printed; per-block rules split scanned blocks into segments, one scan each); --switch-at X [--switch-to R --switch-scope fwd|all] switches the recipe
 at a step or fraction of training (one compiled step per phase over the same state; checkpoints record the phase);
 --diagnostics N runs every N-th step as a diagnostics step (the same update) that also returns per-layer, per-operand
 quantization statistics (diagnostics.csv, diagnostics_<run>.png heatmaps of SNR and saturation); --seeds S ...
@@ -40,7 +47,9 @@ dense bf16 peak, lm_precision.PEAK_BF16). Attention runs cuDNN's fused kernel on
 Writes to --out DIR: curves.csv (step, recipe, train_loss, val_loss, tokens_per_s; rows of recipes not run now are
 kept), curves.png (the recipes' curves overlaid), summary.json, and checkpoints/<recipe>/ (Orbax: model, optimizer
 and rng state, step; every --ckpt-every steps and at the end; --resume continues from the latest). Prints a table
-of validation loss, bits per byte, the gap to bf16, tokens/s and step time.
+of validation loss, bits per byte, the gap to bf16, tokens/s and step time; summary.json also records MFU, the compile
+time (first step of each compiled program less a steady step), peak memory per device (None on the CPU), the
+parameter count and, with --collectives, the compiled step's collectives.
 """
 
 from __future__ import annotations
@@ -249,6 +258,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="stop after this step (checkpointing) of a --steps long run; continue later with --resume")
     p.add_argument("--out", type=Path, help="output directory (default runs/<preset>)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoints in --out")
+    p.add_argument("--collectives", action="store_true",
+                   help="record the collectives of the compiled step in summary.json (count and bytes per kind; "
+                        "costs one more compile; loops counted once: use --no-scan for per-step totals)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     lm_precision.add_arguments(p)
     return p
@@ -311,7 +323,7 @@ def parse_args(argv=None):
 # ---- training --------------------------------------------------------------------------------------------------------
 def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, resume: bool = False,
                  progress: bool = True, *, run: str | None = None, policy=None, switch=None, diagnostics: int = 0,
-                 stop_at: int | None = None):
+                 stop_at: int | None = None, collectives: bool = False):
     """Train one run of recipe `name`; returns (curve rows, summary dict, diagnostics rows). Checkpoints go to
     out/checkpoints/<run> (run: the run's name, default `name`).
 
@@ -319,7 +331,8 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     `jax_fp4.schedule.PrecisionSwitch` (None: one phase): each phase is its own compiled step over the same state,
     chosen by the step number, so the run compiles again once at the switch. diagnostics N > 0: every N-th step runs
     the diagnostics step (the same update, also returning the per-layer quantization statistics). stop_at: stop after
-    that step (a checkpoint is written there)."""
+    that step (a checkpoint is written there). collectives: summary["collectives"] = `lm_report.collective_bytes`
+    of the first phase's compiled step."""
     from tqdm.auto import tqdm
 
     from jax_fp4 import diagnostics as qdiag
@@ -357,6 +370,10 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
         losses = [ph.steps[phase_of(step)](jax.tree.map(jnp.copy, state), b)[1]["loss"] for b in val]
         return float(np.mean([float(v) for v in losses]))
 
+    hlo = None
+    if collectives:  # the compiled step's collectives, before the state is donated to the first step
+        batch0 = lm_data.train_batch(corpus, 0, cfg.batch, cfg.model.seq, cfg.seed)
+        hlo = lm_report.collective_bytes(ph.steps[0].lower(state, batch0).compile().as_text())
     ckdir = out / "checkpoints" / run
     rows, start, timed, drows = [], 0, {"seconds": 0.0, "steps": 0, "diag_seconds": 0.0, "diag_steps": 0}, []
     if resume and lm_checkpoint.latest_step(ckdir) is not None:
@@ -468,6 +485,8 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     summary.update(params=lm_model.count_params(cfg.model), devices=n_dev, device_kind=jax.devices()[0].device_kind,
                    mesh=None if cfg.mesh is None else dict(zip(lm_mesh.AXES, cfg.mesh, strict=True)),
                    tokens_per_step=tokens, flops_per_token=lm_model.flops_per_token(cfg.model))
+    if hlo is not None:
+        summary["collectives"] = hlo
     if timed["diag_steps"]:
         summary["diag_step_ms"] = 1e3 * timed["diag_seconds"] / timed["diag_steps"]
     if switch is not None:
@@ -516,7 +535,8 @@ def main(argv=None) -> dict:
             try:
                 r, summaries[run], drows = train_recipe(
                     name, run_cfg, corpus, args.out, resume=args.resume, progress=not args.no_progress, run=run,
-                    policy=policy, switch=switch, diagnostics=args.diagnostics, stop_at=args.stop_at)
+                    policy=policy, switch=switch, diagnostics=args.diagnostics, stop_at=args.stop_at,
+                    collectives=args.collectives)
             except UnmatchedRuleError as e:
                 make_parser().error(str(e))
             rows += r

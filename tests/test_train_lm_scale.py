@@ -11,7 +11,7 @@ tokenizer and resuming on another mesh.
 * on 4 forced CPU devices (a subprocess): a run on an fsdp mesh (1x4x1: parameters and AdamW moments split over
   "fsdp") stopped at step 2 and resumed on 2x1x2 ends where an uninterrupted one-device run ends (loss within the
   bf16 bound), and an mxfp8 step on 2x2x1 (data x fsdp) equals the one-device step's loss within the float32
-  summation bound.
+  summation bound; its --collectives record shows the weight all-gathers and the reductions.
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ train_lm.main([*flags, "--mesh", "2x1x2", "--resume", "--out", out + "/moved"])
 flags[flags.index("--recipe") + 1] = "mxfp8"
 flags[flags.index("--steps") + 1] = "1"
 train_lm.main([*flags, "--out", out + "/mx1"])
-train_lm.main([*flags, "--mesh", "2x2x1", "--out", out + "/mx2"])
+train_lm.main([*flags, "--mesh", "2x2x1", "--collectives", "--out", out + "/mx2"])
 """
 
 
@@ -251,3 +251,7 @@ def test_fsdp_mesh_and_resume_across_meshes(tmp_path):
     n = 8 * 64
     (a,), (b,) = losses("mx1"), losses("mx2")
     assert abs(a - b) <= 2 * (n - 1) * 2.0**-24 * a, (a, b)  # mxfp8 on fsdp: the float32 summation-order bound
+    # --collectives: the fsdp weights are gathered, gradients and amaxes reduced (the compiled step's HLO)
+    coll = json.loads((tmp_path / "mx2" / "summary.json").read_text())["mxfp8"]["collectives"]
+    assert coll["all-gather"]["count"] > 0 and coll["all-gather"]["bytes"] > 0, coll
+    assert coll["all-reduce"]["count"] > 0, coll
