@@ -5,7 +5,7 @@ route function and the package's names.
   the two extension modules register;
 * every path the "Layout" section names exists, and every op family folder of cpp/ is named there;
 * every row of the "GEMM routes" table is `jax_fp4.route.gemm_route`'s answer on the three devices of its columns;
-* every `jax_fp4.a.b` name in the README resolves by attribute access from `import jax_fp4`.
+* every `jax_fp4.a.b` name in the README and docs/ resolves by attribute access from `import jax_fp4`.
 """
 
 from __future__ import annotations
@@ -105,11 +105,13 @@ def _resolve(dotted: str):
     return obj
 
 
-def test_readme_names_resolve():
-    names = sorted(set(re.findall(r"`(jax_fp4(?:\.\w+)+)", README)))
-    assert "jax_fp4.route.gemm_route" in names
+@pytest.mark.parametrize("doc", ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))])
+def test_names_in_the_docs_resolve(doc):
+    names = sorted(set(re.findall(r"`(jax_fp4(?:\.\w+)+)", (ROOT / doc).read_text())))
+    if doc == "README.md":
+        assert "jax_fp4.route.gemm_route" in names
     for dotted in names:
         try:
             _resolve(dotted)
         except AttributeError as e:
-            raise AssertionError(f"README names `{dotted}`, which does not resolve: {e}") from None
+            raise AssertionError(f"{doc} names `{dotted}`, which does not resolve: {e}") from None
