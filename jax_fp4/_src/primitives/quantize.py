@@ -270,6 +270,7 @@ register_lowerings(quantize_p, partitioning.quantize, _reference_lowering,
 
 # ---- batching ---------------------------------------------------------------------------------------------------
 def _batch_rule(args, dims, **params):
+    bind_params = dict(params)
     params.pop("local", None)
     x, amax_row, amax_col, key_row, key_col = args
     bx, bar, bac, bkr, bkc = dims
@@ -281,11 +282,13 @@ def _batch_rule(args, dims, **params):
     x, amax_row, amax_col = lead(x, bx), lead(amax_row, bar), lead(amax_col, bac)
     sr = any(f is not None and f.needs_key for f in (params["row_fmt"], params["col_fmt"]))
     # Folding into P is exact only where the result of example b does not depend on b's position: per-example SR
-    # streams restart at counter 0 and swizzled layouts pad per example, so those map the reference instead.
+    # streams restart at counter 0 and swizzled layouts pad per example, so those run one quantize per example in a
+    # loop (lax.map: the kernel, or the reference where there is none, compiled once for all examples; a vmap of the
+    # reference compiled the whole bit-exact reference, minutes on a CPU).
     if sr or bkr is not None or bkc is not None or params["scale_layout"] != "compact":
-        outs = jax.vmap(lambda *a: reference_outputs(*a, **params))(x, amax_row, amax_col, lead(key_row, bkr),
-                                                                     lead(key_col, bkc))
-        return outs, [0] * len(outs)
+        outs = jax.lax.map(lambda a: tuple(quantize_p.bind(*a, **bind_params)),
+                           (x, amax_row, amax_col, lead(key_row, bkr), lead(key_col, bkc)))
+        return list(outs), [0] * len(outs)
     B, P = x.shape[:2]
     outs = quantize_p.bind(x.reshape(B * P, *x.shape[2:]), amax_row.reshape(-1), amax_col.reshape(-1), key_row,
                            key_col, **params)
