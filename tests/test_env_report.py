@@ -168,3 +168,67 @@ def test_report_says_when_it_reads_a_source_tree(monkeypatch, tmp_path):
     assert "SOURCE TREE" in text and "python -P -m jax_fp4" in text
     monkeypatch.setitem(ffi._STATES, "cpu", _LOADED)  # an editable install: the extensions load
     assert not ffi.source_tree() and not env.env_report()["package"]["source_tree"]
+
+
+def test_an_extension_file_that_does_not_load_is_reported(tmp_path):
+    """A package whose CUDA extension file exists but is not loadable (here: not an ELF file at all, as a wheel
+    built for a newer glibc fails at the loader): importing warns once with the load error and the fix, and the
+    report says FAILED TO LOAD instead of "not built"."""
+    import importlib.machinery
+    import shutil
+    import textwrap
+
+    src = Path(jax_fp4.__file__).resolve().parent
+    pkg = tmp_path / "jax_fp4"
+    shutil.copytree(src, pkg, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd"))
+    (pkg / ("_jax_fp4_cuda" + importlib.machinery.EXTENSION_SUFFIXES[0])).write_bytes(b"not an ELF file")
+    code = textwrap.dedent(
+        f"""
+        import sys, warnings
+        # (an editable install's import hook would take precedence over PYTHONPATH)
+        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            import jax_fp4
+        assert jax_fp4.__file__.startswith({str(tmp_path)!r}), "SKIP " + jax_fp4.__file__
+        msgs = [str(x.message) for x in w if issubclass(x.category, jax_fp4.ReferenceOnlyWarning)]
+        assert len(msgs) == 1 and "exists but does not load" in msgs[0] and "Fix:" in msgs[0], msgs
+        from jax_fp4 import env
+        line = next(ln for ln in env.format_env_report().splitlines() if ln.startswith("CUDA extension:"))
+        assert "FAILED TO LOAD" in line and "fix:" in line, line
+        print("OK")
+        """
+    )
+    environ = dict(os.environ, PYTHONPATH=str(tmp_path), JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=environ,
+                         cwd=tmp_path, timeout=300)
+    if "SKIP" in out.stderr:  # an editable install's import hook took precedence over PYTHONPATH
+        pytest.skip(out.stderr.strip().splitlines()[-1])
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
+
+
+def test_python_m_jax_fp4_from_a_checkout_root_names_the_source_tree(tmp_path):
+    """`python -m jax_fp4` run from a checkout root imports the source tree (the current directory comes first on
+    sys.path): the report says so and gives the -P remedy, and importing warns once with the same remedy."""
+    import shutil
+    import textwrap
+
+    src = Path(jax_fp4.__file__).resolve().parent
+    shutil.copytree(src, tmp_path / "jax_fp4", ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd"))
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "cpp").mkdir()
+    code = textwrap.dedent(
+        """
+        import runpy, sys, warnings
+        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            runpy.run_module("jax_fp4", run_name="__main__")
+        print("WARNINGS", [str(x.message) for x in w if "source tree" in str(x.message)])
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0, out.stderr
+    assert "SOURCE TREE" in out.stdout and "python -P -m jax_fp4" in out.stdout, out.stdout
+    assert "WARNINGS ['jax_fp4: imported from the source tree" in out.stdout and "-P" in out.stdout
