@@ -164,7 +164,7 @@ def test_resume_equals_uninterrupted(tmp_path, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--steps", "0"], "--steps: must be an integer >= 1"),
     (["--steps", "ten"], "--steps: 'ten' is not an integer"),
-    (["--recipe", "fp2"], "--recipe: invalid choice: 'fp2'"),
+    (["--recipe", "fp2"], "--recipe: unknown recipe(s) ['fp2']"),
     (["--recipe", "bf16", "--compare"], "not allowed with argument"),
     (["--data", "/nonexistent/corpus.txt"], "--data: no such file"),
     (["--batch", "3", "--seq", "32"], "must be a multiple of 128"),

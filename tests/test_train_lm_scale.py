@@ -8,10 +8,10 @@ tokenizer and resuming on another mesh.
 * remat "quantized" saves the quantized GEMM residuals (their checkpoint names) and bf16 layers' inputs, and every
   remat choice gives the gradients of "none";
 * the BPE tokenizer trains deterministically (same tokenizer.json and ids twice), round-trips text and is cached;
-* on 4 forced CPU devices (a subprocess): a run on an fsdp mesh (1x4x1: parameters and AdamW moments split over
-  "fsdp") stopped at step 2 and resumed on 2x1x2 ends where an uninterrupted one-device run ends (loss within the
-  bf16 bound), and an mxfp8 step on 2x2x1 (data x fsdp) equals the one-device step's loss within the float32
-  summation bound; its --collectives record shows the weight all-gathers and the reductions.
+* on 4 forced CPU devices (a subprocess): an mxfp8 run on an fsdp mesh (1x4x1: parameters and AdamW moments split
+  over "fsdp") stopped at step 2 and resumed on 2x1x2 (data x tensor) follows an uninterrupted one-device run (the
+  first loss within the float32 summation bound, the rest within the bf16 layers' rounding); its --collectives
+  record shows the weight all-gathers and the reductions.
 """
 
 from __future__ import annotations
@@ -210,22 +210,19 @@ import jax, train_lm, lm_model, lm_mesh
 from jax_fp4 import recipes
 out = sys.argv[1]
 flags = ["--preset", "tiny", "--arch", "llama", "--d-model", "128", "--heads", "4", "--kv-heads", "2",
-         "--mlp-hidden", "256", "--scan", "--layers", "1", "--batch", "8", "--seq", "64", "--lr", "1e-2", "--warmup", "1", "--log-every", "1", "--eval-every", "1000",
-         "--eval-batches", "1", "--no-progress", "--recipe", "bf16", "--steps", "4"]
+         "--mlp-hidden", "256", "--scan", "--layers", "1", "--batch", "8", "--seq", "64", "--lr", "1e-2",
+         "--warmup", "1", "--log-every", "1", "--eval-every", "1000", "--eval-batches", "1", "--no-progress",
+         "--recipe", "mxfp8", "--steps", "4"]
 train_lm.main([*flags, "--out", out + "/one"])
-train_lm.main([*flags, "--mesh", "1x4x1", "--stop-at", "2", "--out", out + "/moved"])
-# the checkpoint of the fsdp run: its moments are split like the parameters
+train_lm.main([*flags, "--mesh", "1x4x1", "--stop-at", "2", "--collectives", "--out", out + "/moved"])
+print("COLL " + json.dumps(json.load(open(out + "/moved/summary.json"))["mxfp8"]["collectives"]))
+# the fsdp state: the AdamW moments are split like the parameters
 _, cfg, _ = train_lm.parse_args([*flags, "--mesh", "1x4x1"])
-mesh = lm_mesh.make_mesh(1, 4, 1)
-_, state, _ = lm_model.build(cfg.model, recipes.BF16(), lm_model.OptConfig(), 0, mesh)
+_, state, _ = lm_model.build(cfg.model, recipes.MXFP8(), lm_model.OptConfig(), 0, lm_mesh.make_mesh(1, 4, 1))
 specs = {jax.tree_util.keystr(k): str(v.sharding.spec) for k, v in jax.tree_util.tree_flatten_with_path(state)[0]
-         if k and "kernel" in jax.tree_util.keystr(k)}
+         if "kernel" in jax.tree_util.keystr(k)}
 print("SPECS " + json.dumps(specs))
 train_lm.main([*flags, "--mesh", "2x1x2", "--resume", "--out", out + "/moved"])
-flags[flags.index("--recipe") + 1] = "mxfp8"
-flags[flags.index("--steps") + 1] = "1"
-train_lm.main([*flags, "--out", out + "/mx1"])
-train_lm.main([*flags, "--mesh", "2x2x1", "--collectives", "--out", out + "/mx2"])
 """
 
 
@@ -234,11 +231,15 @@ def test_fsdp_mesh_and_resume_across_meshes(tmp_path):
     proc = subprocess.run([sys.executable, "-P", "-c", MESH_SCRIPT, str(tmp_path)], cwd=ROOT, env=env, text=True,
                           capture_output=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
-    specs = json.loads(next(ln[6:] for ln in proc.stdout.splitlines() if ln.startswith("SPECS ")))
+    lines = proc.stdout.splitlines()
+    specs = json.loads(next(ln[6:] for ln in lines if ln.startswith("SPECS ")))
     assert specs and all("fsdp" in v for v in specs.values()), specs  # parameters and both AdamW moments
     assert sum(k.startswith("[1]") for k in specs) == 2 * sum(k.startswith("[0]") for k in specs) > 0  # mu, nu
-    assert "bf16: resumed from" in proc.stdout
-    assert "mesh: data 2 x fsdp 1 x tensor 2 over 4 devices" in proc.stdout
+    # --collectives: the fsdp weights are gathered, gradients and amaxes reduced (the compiled step's HLO)
+    coll = json.loads(next(ln[5:] for ln in lines if ln.startswith("COLL ")))
+    assert coll["all-gather"]["count"] > 0 and coll["all-gather"]["bytes"] > 0, coll
+    assert coll["all-reduce"]["count"] > 0, coll
+    assert "mxfp8: resumed from" in proc.stdout and "mesh: data 2 x fsdp 1 x tensor 2 over 4 devices" in proc.stdout
 
     def losses(name):
         with (tmp_path / name / "curves.csv").open(newline="") as f:
@@ -246,12 +247,8 @@ def test_fsdp_mesh_and_resume_across_meshes(tmp_path):
 
     one, moved = losses("one"), losses("moved")
     assert len(one) == len(moved) == 4
-    # bf16 GEMMs: sharded partial sums round to bfloat16 before their cross-device sum (test_sharding_train.py)
-    np.testing.assert_allclose(moved, one, rtol=2e-2)
+    # step 1 (fsdp): the same quantized operands, float32 sums in another order (test_sharding_train.py's bound)
     n = 8 * 64
-    (a,), (b,) = losses("mx1"), losses("mx2")
-    assert abs(a - b) <= 2 * (n - 1) * 2.0**-24 * a, (a, b)  # mxfp8 on fsdp: the float32 summation-order bound
-    # --collectives: the fsdp weights are gathered, gradients and amaxes reduced (the compiled step's HLO)
-    coll = json.loads((tmp_path / "mx2" / "summary.json").read_text())["mxfp8"]["collectives"]
-    assert coll["all-gather"]["count"] > 0 and coll["all-gather"]["bytes"] > 0, coll
-    assert coll["all-reduce"]["count"] > 0, coll
+    assert abs(moved[0] - one[0]) <= 2 * (n - 1) * 2.0**-24 * one[0], (moved[0], one[0])
+    # later steps: the bf16 layers (norms, attention, embedding, head) round sharded partial sums differently
+    np.testing.assert_allclose(moved, one, rtol=2e-2)
