@@ -4,23 +4,23 @@
 //
 // One CTA of 384 threads computes a 128 x 256 output tile (NVFP4 1x64: 128 x 128), one decode warpgroup and two
 // consumer warpgroups (168 registers a thread):
-//  * staging (both roles, OperandPart): a thread copies the packed codes of its half rows of K-tile kt + kRing - 1
-//    (+ 1 for consumers) into a shared-memory ring with cp.async (each thread reads back only its own copies: no
-//    barrier between copy and use), loads the block scales of the next K-tile into registers, and decodes its half
-//    rows of a K-tile (value(code) * block scale, exact bfloat16, gemm/gemm_decode.cuh) into the 128-byte-swizzled
-//    stage the WGMMAs read, once the consumers have released that stage (mbarrier `empty`); a proxy fence and an
-//    arrival on the stage's `full` mbarrier (all 384 threads) publish it. The decode warpgroup stages B, each
-//    consumer thread one half row of A in its own warpgroup's 64-row slice.
-//  * the consumer warpgroups (CuTe's SM90 64x256x16 / 64x128x16 bf16 WGMMA atom, fp32 accumulators) wait on
+//  * staging (both roles, OperandPart and Staging): a thread copies the packed codes of its half rows of K-tile
+//    kt + kRing - 1 (+ 1 for consumers) into a shared-memory ring with cp.async (each thread reads back only its own
+//    copies: no barrier between copy and use), loads the block scales of the next K-tile into registers, and decodes
+//    its half rows of a K-tile (value(code) * block scale, exact bfloat16, gemm/gemm_decode.cuh) into the
+//    128-byte-swizzled stage the WGMMAs read, once the consumers have released that stage (mbarrier `empty`); a
+//    proxy fence and an arrival on the stage's `full` mbarrier (all 384 threads) publish it. The decode warpgroup
+//    (Producer) stages B, each consumer thread one half row of A in its own warpgroup's 64-row slice.
+//  * the consumer warpgroups (Consumer; CuTe's SM90 64x256x16 / 64x128x16 bf16 WGMMA atom, fp32 accumulators) wait on
 //    `full`, issue the K-tile's four k16 WGMMAs, stage their A half rows of the next K-tile meanwhile, keep one batch
 //    in flight and release the stage of the previous K-tile on `empty`. NVFP4 1x64: each K-tile is one window; its
 //    WGMMAs accumulate into a zeroed temporary fragment, promoted into the accumulator as
 //    acc = fma(tmp * fa[m], fb[n], acc) (fa = RN(1 / S_enc,w) of row m's window, written per stage by the thread
 //    staging the row's half 0); the other consumer warpgroup's WGMMAs run meanwhile.
-//  * the epilogue (consumers) multiplies by ta then tb (NVFP4 tensor scales amax * fp32(1/2688), 1 otherwise), adds
-//    the bias, casts (RNE, canonical NaN) and stores with bounds checks; with kEmitAmax it folds max |out| (NaN if
-//    any output is NaN) into out_amax with a warp reduction and an atomicMax on the float bits (zeroed on the stream
-//    first).
+//  * the epilogue (Epilogue, the consumer threads) multiplies by ta then tb (NVFP4 tensor scales amax * fp32(1/2688),
+//    1 otherwise), adds the bias, casts (RNE, canonical NaN) and stores with bounds checks; with kEmitAmax it folds
+//    max |out| (NaN if any output is NaN) into out_amax with a warp reduction and an atomicMax on the float bits
+//    (zeroed on the stream first).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -240,170 +240,71 @@ struct Config {
 // in L2.
 constexpr int kGroupM = 8;
 
-template <bool kFp4A, bool kFp4B, bool kLocal>
-__global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
-#if defined(__CUDA_ARCH__) && defined(CUTE_ARCH_MMA_SM90A_ENABLED)
-  using namespace cute;
-  using Cfg = Config<kFp4A, kFp4B, kLocal>;
+// The staging of K-tiles into stages, shared by both roles: Copy starts K-tile kt's codes (a cp.async group per
+// K-tile, empty past the last, kRing - 1 K-tiles ahead of the decode); Decode decodes it once the consumers released
+// its stage and publishes it with a proxy fence and an arrival on the stage's `full` barrier.
+template <class Cfg, class TensorA, class TensorB>
+struct Staging {
   using Barrier = cutlass::arch::ClusterBarrier;
-  constexpr int kBN = Cfg::kBN, kStages = Cfg::kStages;
-  extern __shared__ __align__(1024) uint8_t smem_raw[];
-  auto& smem = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
-  Tensor sA = make_tensor(make_smem_ptr(smem.a.data()), typename Cfg::LayoutA{});  // (BM, BK, stage)
-  Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename Cfg::LayoutB{});  // (BN, BK, stage)
+  typename Cfg::SharedStorage& smem;
+  TensorA& sA;  // (BM, BK, stage)
+  TensorB& sB;  // (BN, BK, stage)
+  const Params& p;
+  int KT, K;
+  bool al16;
 
-  // Tile coordinates (grouped order).
-  const int64_t tiles_m = (p.M + kBM - 1) / kBM, tiles_n = (p.N + kBN - 1) / kBN;
-  const int64_t tile = blockIdx.x, per_group = int64_t(kGroupM) * tiles_n;
-  const int64_t group = tile / per_group, first_m = group * kGroupM;
-  const int64_t group_m = min(tiles_m - first_m, int64_t(kGroupM));
-  const int64_t tm = first_m + (tile % per_group) % group_m, tn = (tile % per_group) / group_m;
-  const int64_t m0 = tm * kBM, n0 = tn * kBN;
-  const int tid = threadIdx.x;
-  const int KT = int((p.K + kBK - 1) / kBK);
-  const int K = int(p.K);
-
-  if (tid == 0) {
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      Barrier::init(&smem.full[s], kThreads);
-      Barrier::init(&smem.empty[s], kThreads - kDecoders);
-    }
-    cutlass::arch::fence_barrier_init();
-  }
-  __syncthreads();
-
-  // The staging of K-tiles into stages, shared by both roles: copy K-tile kt's codes (a cp.async group per K-tile,
-  // empty past the last, kRing - 1 K-tiles ahead of the decode), decode it once the consumers released its stage,
-  // publish it with a proxy fence and an arrival on the stage's `full` barrier.
-  using PartA = OperandPart<kFp4A, kLocal, 1, 2 * kBM>;
-  using PartB = OperandPart<kFp4B, kLocal, Cfg::kDecoderB, 2 * kBN>;  // a decoder's B half rows
-  const bool al16 = K % 32 == 0;
-  auto copy = [&](const auto& pa, const auto& pb, int kt) {
+  template <class PA, class PB>
+  __device__ __forceinline__ void Copy(const PA& pa, const PB& pb, int kt) const {
     if (kt < KT) {
       const int c = kt % kRing;
       pa.Copy(&smem.codes_a[c][0][0], K, kt, al16);
       pb.Copy(&smem.codes_b[c][0][0], K, kt, al16);
     }
     cutlass::arch::cp_async_fence();
-  };
-  // Decodes K-tile kt (its codes: the cp.async group kt, with `pending` later groups allowed outstanding).
-  auto decode = [&](auto& pa, auto& pb, int kt, int st, uint32_t empty_phase, auto pending) {
-    cutlass::arch::cp_async_wait<decltype(pending)::value>();
+  }
+  // Decodes K-tile kt (its codes: the cp.async group kt, with kRing - 1 later groups allowed outstanding).
+  template <class PA, class PB>
+  __device__ __forceinline__ void Decode(PA& pa, PB& pb, int kt, int st, uint32_t empty_phase) const {
+    cutlass::arch::cp_async_wait<kRing - 1>();
     Barrier::wait(&smem.empty[st], empty_phase);
     const int c = kt % kRing;
     pa.Decode(&smem.codes_a[c][0][0], sA, smem.fa[st], st, p.a_e5m2);
     pb.Decode(&smem.codes_b[c][0][0], sB, smem.fb[st], st, p.b_e5m2);
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> visible to the WGMMA (async proxy) reads
     Barrier::arrive(&smem.full[st]);
-  };
-
-  if (tid < kDecoders) {
-    // ---- Decoders: B's half rows tid + 128 i, kRing - 1 K-tiles of codes in flight.
-    OperandPart<kFp4A, kLocal, 0, 2 * kBM> pa;
-    PartB pb;
-    pb.Init(p.b, p.b_scale, p.b_aux, n0, p.N, p.K, tid, kDecoders);
-#pragma unroll
-    for (int j = 0; j < kRing - 1; ++j) copy(pa, pb, j);
-    pb.LoadScales(K, 0);
-    pb.Advance();
-    int st = 0;
-    uint32_t phase = 1;  // a fresh mbarrier's preceding phase (parity 1) counts as complete: the first pass is free
-    for (int kt = 0; kt < KT; ++kt) {
-      copy(pa, pb, kt + kRing - 1);
-      if (kt + 1 < KT) pb.LoadScales(K, kt + 1);
-      decode(pa, pb, kt, st, phase, cute::Int<kRing - 1>{});
-      pb.Advance();
-      if (++st == kStages) st = 0, phase ^= 1u;
-    }
-    return;
   }
+};
 
-  // ---- Consumers: A's half row ct, staged one K-tile ahead of the WGMMAs.
-  const int ct = tid - kDecoders;
-  PartA pa;
-  OperandPart<kFp4B, kLocal, 0, 2 * kBN> pb;
-  pa.Init(p.a, p.a_scale, p.a_aux, m0, p.M, p.K, ct, 0);
+// Producer (the decode warpgroup, thread tid < kDecoders): B's half rows tid + 128 i of the tile at column n0,
+// kRing - 1 K-tiles of codes in flight.
+template <bool kFp4A, bool kFp4B, bool kLocal, class Stage>
+__device__ __forceinline__ void Producer(const Stage& stage, int64_t n0, int tid) {
+  using Cfg = Config<kFp4A, kFp4B, kLocal>;
+  const Params& p = stage.p;
+  OperandPart<kFp4A, kLocal, 0, 2 * kBM> pa;
+  OperandPart<kFp4B, kLocal, Cfg::kDecoderB, 2 * Cfg::kBN> pb;
+  pb.Init(p.b, p.b_scale, p.b_aux, n0, p.N, p.K, tid, kDecoders);
 #pragma unroll
-  for (int j = 0; j < kRing - 1; ++j) copy(pa, pb, j);
-  pa.LoadScales(K, 0);
-  pa.Advance();
-  int dst = 0;           // the stage of the K-tile decoded next
-  uint32_t dphase = 1;   // its `empty` parity
-  auto decode_next = [&](int kt) {  // decodes K-tile kt, loads K-tile kt + 1's scales
-    if (kt + 1 < KT) pa.LoadScales(K, kt + 1);
-    decode(pa, pb, kt, dst, dphase, cute::Int<kRing - 1>{});
-    pa.Advance();
-    if (++dst == kStages) dst = 0, dphase ^= 1u;
-  };
-  copy(pa, pb, kRing - 1);
-  decode_next(0);
-
-  typename Cfg::TiledMma tiled_mma;
-  auto thr_mma = tiled_mma.get_thread_slice(ct);
-  Tensor tCsA = thr_mma.partition_A(sA);           // (MMA, MMA_M, MMA_K, stage)
-  Tensor tCsB = thr_mma.partition_B(sB);           // (MMA, MMA_N, MMA_K, stage)
-  Tensor tCrA = thr_mma.make_fragment_A(tCsA);     // smem descriptors
-  Tensor tCrB = thr_mma.make_fragment_B(tCsB);
-  Tensor acc = partition_fragment_C(tiled_mma, Shape<Int<kBM>, Int<kBN>>{});  // (MMA, MMA_M, MMA_N) fp32
-  Tensor cC = make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{});
-  Tensor tCcC = thr_mma.partition_C(cC);           // the (m, n) of each accumulator element, tile-relative
-  clear(acc);
-
-  // Issues the WGMMAs of the K-tile in stage `st` into the fragment `c`, asynchronously (`zero`: c = A B, else
-  // c += A B).
-  auto mma = [&](int st, auto& c, bool zero) {
-    warpgroup_fence_operand(c);
-    warpgroup_arrive();
-    tiled_mma.accumulate_ = zero ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-      cute::gemm(tiled_mma, tCrA(_, _, kb, st), tCrB(_, _, kb, st), c);
-      tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-  };
-
-  // Iteration kt: wait for K-tile kt's stage, issue its WGMMAs, stage K-tile kt + 1 (its codes were copied
-  // kRing - 1 K-tiles earlier; the copy of K-tile kt + kRing starts here), then release the stage of K-tile kt - 1.
+  for (int j = 0; j < kRing - 1; ++j) stage.Copy(pa, pb, j);
+  pb.LoadScales(stage.K, 0);
+  pb.Advance();
   int st = 0;
-  uint32_t phase = 0;
-  if constexpr (!kLocal) {
-    int prev = 0;
-    for (int kt = 0; kt < KT; ++kt) {
-      copy(pa, pb, kt + kRing);
-      Barrier::wait(&smem.full[st], phase);
-      mma(st, acc, false);
-      if (kt + 1 < KT) decode_next(kt + 1);
-      warpgroup_wait<1>();  // the batch of K-tile kt - 1 is complete (kt's may still run)
-      if (kt > 0) Barrier::arrive(&smem.empty[prev]);
-      prev = st;
-      if (++st == kStages) st = 0, phase ^= 1u;
-    }
-  } else {
-    // 1x64: each K-tile's window sums go to a zeroed temporary fragment and are complete (warpgroup_wait<0>) before
-    // their promotion acc = fma(tmp * fa[m], fb[n], acc); the other consumer warpgroup's WGMMAs fill the gap.
-    auto tmp = make_fragment_like(acc);
-    for (int kt = 0; kt < KT; ++kt) {
-      copy(pa, pb, kt + kRing);
-      Barrier::wait(&smem.full[st], phase);
-      mma(st, tmp, true);
-      if (kt + 1 < KT) decode_next(kt + 1);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tmp);
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc); ++i) {
-        const int m = get<0>(tCcC(i)), n = get<1>(tCcC(i));
-        acc(i) = __fmaf_rn(__fmul_rn(tmp(i), smem.fa[st][m]), smem.fb[st][n], acc(i));
-      }
-      Barrier::arrive(&smem.empty[st]);
-      if (++st == kStages) st = 0, phase ^= 1u;
-    }
+  uint32_t phase = 1;  // a fresh mbarrier's preceding phase (parity 1) counts as complete: the first pass is free
+  for (int kt = 0; kt < stage.KT; ++kt) {
+    stage.Copy(pa, pb, kt + kRing - 1);
+    if (kt + 1 < stage.KT) pb.LoadScales(stage.K, kt + 1);
+    stage.Decode(pa, pb, kt, st, phase);
+    pb.Advance();
+    if (++st == Cfg::kStages) st = 0, phase ^= 1u;
   }
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc);
+}
 
-  // Epilogue: * ta, * tb, + bias, cast, bounds-checked store, amax.
+// Epilogue (consumer thread ct): * ta, * tb, + bias, cast, bounds-checked store of the tile at (m0, n0), amax. acc: the
+// thread's fp32 accumulator fragment; tCcC: the tile-relative (m, n) of each of its elements.
+template <class Acc, class Coord>
+__device__ __forceinline__ void Epilogue(const Params& p, const Acc& acc, const Coord& tCcC, int64_t m0, int64_t n0,
+                                         int ct) {
+  using namespace cute;
   const float ta = p.a_tensor ? __fmul_rn(__ldg(p.a_aux), cvt::kInv2688()) : 1.0f;
   const float tb = p.b_tensor ? __fmul_rn(__ldg(p.b_aux), cvt::kInv2688()) : 1.0f;
   unsigned amax_bits = 0u;  // max of the bits of |out| (non-negative floats order as their bits; NaNs above inf)
@@ -448,6 +349,142 @@ __global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
     amax_bits = __reduce_max_sync(0xFFFFFFFFu, amax_bits);
     if ((ct & 31) == 0 && amax_bits != 0u) atomicMax(p.out_amax, amax_bits > 0x7F800000u ? 0x7FC00000u : amax_bits);
   }
+}
+
+// Consumer (consumer thread ct of the two WGMMA warpgroups): stages A's half row ct of the tile at (m0, n0) one K-tile
+// ahead of the WGMMAs, accumulates the tile in fp32 and hands it to the Epilogue.
+template <bool kFp4A, bool kFp4B, bool kLocal, class Stage>
+__device__ __forceinline__ void Consumer(const Stage& stage, int64_t m0, int64_t n0, int ct) {
+  using namespace cute;
+  using Cfg = Config<kFp4A, kFp4B, kLocal>;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  constexpr int kBN = Cfg::kBN, kStages = Cfg::kStages;
+  const Params& p = stage.p;
+  auto& smem = stage.smem;
+  const int KT = stage.KT;
+  OperandPart<kFp4A, kLocal, 1, 2 * kBM> pa;
+  OperandPart<kFp4B, kLocal, 0, 2 * kBN> pb;
+  pa.Init(p.a, p.a_scale, p.a_aux, m0, p.M, p.K, ct, 0);
+#pragma unroll
+  for (int j = 0; j < kRing - 1; ++j) stage.Copy(pa, pb, j);
+  pa.LoadScales(stage.K, 0);
+  pa.Advance();
+  int dst = 0;           // the stage of the K-tile decoded next
+  uint32_t dphase = 1;   // its `empty` parity
+  auto decode_next = [&](int kt) {  // decodes K-tile kt, loads K-tile kt + 1's scales
+    if (kt + 1 < KT) pa.LoadScales(stage.K, kt + 1);
+    stage.Decode(pa, pb, kt, dst, dphase);
+    pa.Advance();
+    if (++dst == kStages) dst = 0, dphase ^= 1u;
+  };
+  stage.Copy(pa, pb, kRing - 1);
+  decode_next(0);
+
+  typename Cfg::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(ct);
+  Tensor tCsA = thr_mma.partition_A(stage.sA);     // (MMA, MMA_M, MMA_K, stage)
+  Tensor tCsB = thr_mma.partition_B(stage.sB);     // (MMA, MMA_N, MMA_K, stage)
+  Tensor tCrA = thr_mma.make_fragment_A(tCsA);     // smem descriptors
+  Tensor tCrB = thr_mma.make_fragment_B(tCsB);
+  Tensor acc = partition_fragment_C(tiled_mma, Shape<Int<kBM>, Int<kBN>>{});  // (MMA, MMA_M, MMA_N) fp32
+  Tensor cC = make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{});
+  Tensor tCcC = thr_mma.partition_C(cC);           // the (m, n) of each accumulator element, tile-relative
+  clear(acc);
+
+  // Issues the WGMMAs of the K-tile in stage `st` into the fragment `c`, asynchronously (`zero`: c = A B, else
+  // c += A B).
+  auto mma = [&](int st, auto& c, bool zero) {
+    warpgroup_fence_operand(c);
+    warpgroup_arrive();
+    tiled_mma.accumulate_ = zero ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+      cute::gemm(tiled_mma, tCrA(_, _, kb, st), tCrB(_, _, kb, st), c);
+      tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+  };
+
+  // Iteration kt: wait for K-tile kt's stage, issue its WGMMAs, stage K-tile kt + 1 (its codes were copied
+  // kRing - 1 K-tiles earlier; the copy of K-tile kt + kRing starts here), then release the stage of K-tile kt - 1.
+  int st = 0;
+  uint32_t phase = 0;
+  if constexpr (!kLocal) {
+    int prev = 0;
+    for (int kt = 0; kt < KT; ++kt) {
+      stage.Copy(pa, pb, kt + kRing);
+      Barrier::wait(&smem.full[st], phase);
+      mma(st, acc, false);
+      if (kt + 1 < KT) decode_next(kt + 1);
+      warpgroup_wait<1>();  // the batch of K-tile kt - 1 is complete (kt's may still run)
+      if (kt > 0) Barrier::arrive(&smem.empty[prev]);
+      prev = st;
+      if (++st == kStages) st = 0, phase ^= 1u;
+    }
+  } else {
+    // 1x64: each K-tile's window sums go to a zeroed temporary fragment and are complete (warpgroup_wait<0>) before
+    // their promotion acc = fma(tmp * fa[m], fb[n], acc); the other consumer warpgroup's WGMMAs fill the gap.
+    auto tmp = make_fragment_like(acc);
+    for (int kt = 0; kt < KT; ++kt) {
+      stage.Copy(pa, pb, kt + kRing);
+      Barrier::wait(&smem.full[st], phase);
+      mma(st, tmp, true);
+      if (kt + 1 < KT) decode_next(kt + 1);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tmp);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc); ++i) {
+        const int m = get<0>(tCcC(i)), n = get<1>(tCcC(i));
+        acc(i) = __fmaf_rn(__fmul_rn(tmp(i), smem.fa[st][m]), smem.fb[st][n], acc(i));
+      }
+      Barrier::arrive(&smem.empty[st]);
+      if (++st == kStages) st = 0, phase ^= 1u;
+    }
+  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  Epilogue(p, acc, tCcC, m0, n0, ct);
+}
+
+template <bool kFp4A, bool kFp4B, bool kLocal>
+__global__ void __launch_bounds__(kThreads, 1) GemmKernel(const Params p) {
+#if defined(__CUDA_ARCH__) && defined(CUTE_ARCH_MMA_SM90A_ENABLED)
+  using namespace cute;
+  using Cfg = Config<kFp4A, kFp4B, kLocal>;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  constexpr int kBN = Cfg::kBN, kStages = Cfg::kStages;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  auto& smem = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
+  Tensor sA = make_tensor(make_smem_ptr(smem.a.data()), typename Cfg::LayoutA{});  // (BM, BK, stage)
+  Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename Cfg::LayoutB{});  // (BN, BK, stage)
+
+  // Tile coordinates (grouped order).
+  const int64_t tiles_m = (p.M + kBM - 1) / kBM, tiles_n = (p.N + kBN - 1) / kBN;
+  const int64_t tile = blockIdx.x, per_group = int64_t(kGroupM) * tiles_n;
+  const int64_t group = tile / per_group, first_m = group * kGroupM;
+  const int64_t group_m = min(tiles_m - first_m, int64_t(kGroupM));
+  const int64_t tm = first_m + (tile % per_group) % group_m, tn = (tile % per_group) / group_m;
+  const int64_t m0 = tm * kBM, n0 = tn * kBN;
+  const int tid = threadIdx.x;
+  const int KT = int((p.K + kBK - 1) / kBK);
+  const int K = int(p.K);
+
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(&smem.full[s], kThreads);
+      Barrier::init(&smem.empty[s], kThreads - kDecoders);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const Staging<Cfg, decltype(sA), decltype(sB)> stage{smem, sA, sB, p, KT, K, K % 32 == 0};
+  if (tid < kDecoders) {
+    Producer<kFp4A, kFp4B, kLocal>(stage, n0, tid);
+    return;
+  }
+  Consumer<kFp4A, kFp4B, kLocal>(stage, m0, n0, tid - kDecoders);
 #endif
 }
 
