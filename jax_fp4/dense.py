@@ -38,6 +38,7 @@ from jax_fp4.gemm import (
 )
 from jax_fp4.quantize import quantize_rowwise_columnwise
 from jax_fp4.recipes import Recipe, resolve
+from jax_fp4.validation import check_key
 from jax_fp4.route import recipe_routes
 
 __all__ = ["dense", "dot_general", "RESIDUAL_NAMES", "IMPLEMENTATIONS", "gemm_routes"]
@@ -223,12 +224,12 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, implementation: str
                          "line up (x [..., K], kernel [K, N])")
     if bias is not None and jnp.shape(bias) != (kernel.shape[1],):
         raise ValueError(f"dense: bias shape {jnp.shape(bias)} != ({kernel.shape[1]},)")
+    recipe.check_key(key, "dense", backward=False)  # (a non-key is refused under BF16 too)
     if not recipe.quantized:
         y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
         if bias is not None:
             y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
         return y
-    recipe.check_key(key, "dense", backward=False)
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), x.shape[-1])
     y = reverse_mode_only(_dense, "jax_fp4.dense")(recipe, implementation, x2, kernel, bias, key)
@@ -256,6 +257,7 @@ def dot_general(x, w, dimension_numbers, *, recipe: Recipe, key=None, implementa
       ValueError: a dimension outside its operand's rank, unpaired or repeated dimensions, no contracting
       dimension, w without a free axis, non-floating operands; and the errors of `dense`.
     """
+    check_key(key, "dot_general")
     x, w = jnp.asarray(x), jnp.asarray(w)
     (cl, cr), (bl, br) = canonical_dimension_numbers(dimension_numbers, x.ndim, w.ndim)
     if not cl or w.ndim == len(cr) + len(br):

@@ -200,7 +200,7 @@ def ragged_dot(lhs, rhs, group_sizes, *, recipe: Recipe, key=None):
     recipe = resolve(recipe, "ragged_dot")
     lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
     _check(lhs, rhs, group_sizes, recipe)
+    recipe.check_key(key, "ragged_dot", backward=False)  # (a non-key is refused under BF16 too)
     if not recipe.quantized:
         return lax.ragged_dot(lhs, rhs, group_sizes)
-    recipe.check_key(key, "ragged_dot", backward=False)
     return reverse_mode_only(_ragged, "jax_fp4.ragged_dot")(recipe, lhs, rhs, group_sizes, key)

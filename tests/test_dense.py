@@ -393,9 +393,10 @@ def test_errors():
         dot_general(x, w, (((2,), (0,)), ((), ())), recipe=MX)
     with pytest.raises(ValueError, match=r"x dimension 1 \(128\) != w dimension 1 \(64\)"):
         dot_general(x, w, (((1,), (1,)), ((), ())), recipe=MX)
-    with pytest.raises(ValueError, match=r"MXFP8\(\).*\(48, 128\).*48.*32"):  # wgrad blocks run along M
+    with pytest.raises(ValueError, match=r"wgrad x \[M=48, K=128\] \(MXFP8\(\) blocks along M\): M=48 is not a "
+                       r"multiple of 32"):  # wgrad blocks run along M
         jax.grad(lambda x: dense(x, w, recipe=MX).astype(jnp.float32).sum())(jnp.ones((48, 128), jnp.bfloat16))
-    with pytest.raises(ValueError, match=r"NVFP4.*\(64, 120\)"):
+    with pytest.raises(ValueError, match=r"fprop x \[M=64, K=120\] \(NVFP4\(\) blocks along K\): K=120"):
         dense(jnp.ones((64, 120), jnp.bfloat16), jnp.ones((120, 64), jnp.bfloat16), recipe=FWD_MX)
 
 

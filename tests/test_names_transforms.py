@@ -10,6 +10,7 @@ import pytest
 
 import jax_fp4
 from jax_fp4 import blocking, diagnostics, policy, recipes
+from jax_fp4.flax import make_dot_general
 from jax_fp4.schedule import PrecisionSwitch
 
 X = jax.random.normal(jax.random.key(0), (32, 64), jnp.float32) * 4
@@ -44,8 +45,19 @@ def test_a_key_that_is_not_a_key_is_refused(key):
         jax_fp4.grouped_quantize(X, jnp.array([16, 16], jnp.int32), jax_fp4.MXFP8(), key=key)
     with pytest.raises(TypeError, match="PRNG key"):
         jax_fp4.fake_quantize(X, jax_fp4.NVFP4(), key=key)
-    with pytest.raises(TypeError, match="PRNG key"):
-        jax_fp4.dense(X, X.T, recipe="mxfp8", key=key)
+    dn = (((1,), (0,)), ((), ()))
+    for recipe in ("mxfp8", "bf16"):  # BF16 quantizes nothing, and still refuses a non-key
+        with pytest.raises(TypeError, match="PRNG key"):
+            jax_fp4.dense(X, X.T, recipe=recipe, key=key)
+        with pytest.raises(TypeError, match="PRNG key"):
+            jax_fp4.dot_general(X, X.T, dn, recipe=recipe, key=key)
+        with pytest.raises(TypeError, match="PRNG key"):
+            make_dot_general(recipe)(X, X.T, dn, key=key)
+        with pytest.raises(TypeError, match="PRNG key"):
+            jax_fp4.ragged_dot(X, jnp.stack([X.T, X.T]), jnp.array([16, 16], jnp.int32), recipe=recipe, key=key)
+    if not isinstance(key, str):
+        with pytest.raises(TypeError, match="PRNG key"):
+            make_dot_general("mxfp8", key=key)
     jax_fp4.quantize(X, jax_fp4.MXFP8(), key=jax.random.PRNGKey(0))  # raw and typed keys pass
     jax_fp4.quantize(X, jax_fp4.MXFP8(), key=jax.random.key(0))
 

@@ -26,6 +26,7 @@ from jax_fp4.dense import dot_general as _fp4_dot_general
 from jax_fp4.flax.layer_path import calling_layer_path
 from jax_fp4.flax.nnx_layers import draw_key
 from jax_fp4.recipes import resolve
+from jax_fp4.validation import check_key
 
 __all__ = ["make_dot_general", "StreamDotGeneral", "UnquantizedDotGeneralWarning"]
 
@@ -111,6 +112,8 @@ def make_dot_general(recipe, key=None, *, strict: bool = False, rng_collection: 
     if isinstance(key, (nnx.RngStream, nnx.Rngs)):
         return StreamDotGeneral(make_dot_general(recipe, strict=strict, rng_collection=rng_collection), key,
                                 rng_collection)
+    if isinstance(key, jax.Array):
+        check_key(key, "make_dot_general")
     if key is not None and not callable(key) and not isinstance(key, jax.Array):
         raise TypeError(f"make_dot_general: key must be None, a PRNG key or a callable returning one, got "
                         f"{type(key).__name__}")
@@ -128,6 +131,7 @@ def make_dot_general(recipe, key=None, *, strict: bool = False, rng_collection: 
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None,
                     *, key=None, **kwargs):
+        check_key(key, f"make_dot_general({recipe.name})")  # (a non-key is refused on every path)
         dn = canonical_dimension_numbers(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
         reason = None if recipe.quantized else "bf16"
         if reason is None:
