@@ -13,7 +13,8 @@ Public surface (the README's "API" section has the signatures; the numeric contr
   recipes, dense, dot_general           quantized training: custom-VJP GEMMs following a Recipe
   ragged_dot                            quantized jax.lax.ragged_dot (MoE expert GEMMs), custom VJP
   reference                             the pure-jnp bit-exact reference of every op
-  HAS_CUDA_KERNELS, ReferenceOnlyWarning  whether the CUDA extension loaded
+  HAS_CUDA_KERNELS, ReferenceOnlyWarning  whether the CUDA extension loaded; the import warning of a missing or
+                                        unloadable extension (only where it can be fixed: jax_fp4._src.ffi)
   env_report, __version__               the environment report of `python -m jax_fp4`; the package version
 Flax layers: jax_fp4.flax (needs flax).
 """
