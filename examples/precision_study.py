@@ -68,6 +68,12 @@ def _jobs(configs: list[str], seeds: list[int]) -> list[tuple[str, str, list[str
     return jobs
 
 
+# A process that starts while another creates its CUDA context on the same GPU was seen to fail JAX's CUDA backend
+# initialisation ("no supported devices found") on a 4-GPU H200 host; such a start is retried.
+_START_FAILURE = "Unable to initialize backend 'cuda'"
+_START_ATTEMPTS = 4
+
+
 def _worker(q: queue.Queue, gpu: int | None, mem_fraction: float, args, extra: list[str], done: list):
     script = Path(__file__).resolve().parent / "train_lm.py"
     while True:
@@ -86,8 +92,12 @@ def _worker(q: queue.Queue, gpu: int | None, mem_fraction: float, args, extra: l
             env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{mem_fraction:.2f}"
         out.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
-        with (out / "train.log").open("w") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+        for attempt in range(_START_ATTEMPTS):
+            with (out / "train.log").open("w") as log:
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+            if rc == 0 or _START_FAILURE not in (out / "train.log").read_text(errors="replace"):
+                break
+            time.sleep(5 + 5 * attempt)  # another run was creating its CUDA context on this GPU: start again
         done.append((tag, seed, rc, time.time() - t0))
         print(f"{tag}@s{seed}: rc {rc}, {time.time() - t0:.0f} s" + (f" (GPU {gpu})" if gpu is not None else ""),
               flush=True)
