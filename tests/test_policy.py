@@ -129,10 +129,11 @@ def test_unmatched_rule():
         FP.apply(P.exclude("blocks/7") + P.exclude("*/mlp"), model)
     with pytest.raises(P.UnmatchedRuleError, match=r"rules 'blocks/5', 're:head' match no layer"):
         FP.describe(P.last_blocks(1, num_blocks=6) + P.exclude("re:head"), model)
-    # scanned blocks have one path per stack: per-block rules match nothing (a clear error, not a silent no-op)
-    with pytest.raises(P.UnmatchedRuleError, match="blocks/qkv/dense"):
+    # scanned blocks have one path per stack: without `stacks=` (tests/test_policy_segments.py) per-block rules match
+    # nothing (a clear error, not a silent no-op)
+    with pytest.raises(P.UnmatchedRuleError, match="stacks/0/qkv/dense"):
         FP.apply(P.last_blocks(1, num_blocks=3), _gpt(scan=True))
-    assert FP.apply(P.exclude("blocks/out"), _gpt(scan=True))["blocks/out"] == BF16
+    assert FP.apply(P.exclude("stacks/0/out"), _gpt(scan=True))["stacks/0/out"] == BF16
 
 
 def test_stochastic_rounding_streams():
