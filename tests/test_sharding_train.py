@@ -434,7 +434,7 @@ def test_train_lm_mesh_cli(runs):
     tmp = runs.tmp
     _, log = runs.result("lm 2x2")
     runs.result("lm 1")
-    assert "mesh: data 2 x tensor 2 over 4 devices" in log, log[-2000:]
+    assert "mesh: data 2 x fsdp 1 x tensor 2 over 4 devices" in log, log[-2000:]
     rows = {}
     for name in ("2x2", "one"):
         with (tmp / name / "curves.csv").open(newline="") as f:
