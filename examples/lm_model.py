@@ -202,9 +202,10 @@ class GPT(nnx.Module):
                                embedding_init=annotate(nnx.initializers.normal(0.02), "embed", mesh))
         stack = _stack(cfg, recipe, rngs, dtype, mesh, cfg.n_layers)  # the initial weights of every layout
         if cfg.scan_layers:
-            segments = tuple(segments or ((0, cfg.n_layers),))
-            if [s for seg in segments for s in seg] != [0, *(s for seg in segments[1:] for s in (seg[0],) * 2),
-                                                       cfg.n_layers] or any(a >= b for a, b in segments):
+            segments = tuple(tuple(seg) for seg in segments or ((0, cfg.n_layers),))
+            starts, stops = [a for a, _ in segments], [b for _, b in segments]
+            if starts[0] != 0 or stops[-1] != cfg.n_layers or starts[1:] != stops[:-1] or any(
+                    a >= b for a, b in segments):
                 raise ValueError(f"segments {segments} must be contiguous non-empty runs covering blocks "
                                  f"0..{cfg.n_layers - 1}")
             self.segments = segments
