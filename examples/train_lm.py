@@ -557,6 +557,10 @@ def main(argv=None) -> dict:
             table = {ref: merged[ref], **table}
     print()
     print(lm_report.format_table(table))
+    for run, sm in summaries.items():  # what the table leaves out (summary.json has all of it)
+        peak = sm.get("peak_bytes_per_device")
+        print(f"{run}: compile {sm['compile_s'] or 0:.1f} s" + (
+            f", peak memory per device {', '.join(f'{b / 2**30:.2f}' for b in peak)} GiB" if peak else ""))
     if args.seeds:
         gaps = lm_precision.seed_gaps(merged)
         lm_precision.write_gaps(args.out, gaps)
