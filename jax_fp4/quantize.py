@@ -212,7 +212,7 @@ def _tensor_scale(fmt, amax, nan=None):
     """float32 amax * fp32(1/2688) of an NVFP4 orientation (scaled_dot_general's tensor scale, `tensor_decode_scale`),
     None for MXFP8."""
     a = _scalar_amax(fmt, amax, nan)
-    return None if a is None else tensor_decode_scale(a)
+    return None if a is None else tensor_decode_scale(a, fmt.global_e4m3_max)
 
 
 def _window_shape(fmt, shape, axis):

@@ -107,24 +107,35 @@ def _hybrid(gradients: str) -> str:
     return "-hybrid" if gradients == "e5m2" else ""
 
 
-def NVFP4(rht: bool = True, weight_2d: bool = True, stochastic_rounding: bool = True) -> Recipe:
+def _four_over_six(on: bool) -> str:
+    """The name suffix of 4over6 forward operands (`NVFP4(use_4over6=True)`)."""
+    return "-4over6" if on else ""
+
+
+def NVFP4(rht: bool = True, weight_2d: bool = True, stochastic_rounding: bool = True,
+          four_over_six: bool = False) -> Recipe:
     """NVFP4 everywhere with the usual defaults (each switchable): 16x16 2D scaling of the weight, stochastic
-    rounding of the gradient dy, and the RHT on the wgrad operands (x and dy blocked along M)."""
+    rounding of the gradient dy, and the RHT on the wgrad operands (x and dy blocked along M). four_over_six: the
+    fprop operands x and w use 4over6 block selection (`NVFP4(use_4over6=True)`, on the E4M3 bound 256; TE applies
+    it to forward operands, never with RHT or stochastic rounding); name suffix "-4over6"."""
     w = _NVFP4(scaling_2d=weight_2d)
-    x = _NVFP4()
+    fwd_w = _NVFP4(scaling_2d=weight_2d, use_4over6=four_over_six)
+    x = _NVFP4(use_4over6=four_over_six)
     dy = _NVFP4(stochastic_rounding=stochastic_rounding)
     wgrad_x = _NVFP4(rht=rht)
     wgrad_dy = _NVFP4(rht=rht, stochastic_rounding=stochastic_rounding)
     name = "nvfp4" + "".join(s for s, on in (("-no-rht", rht), ("-no-2d", weight_2d), ("-no-sr", stochastic_rounding))
-                             if not on)
-    return Recipe(name, x, w, dy, w, wgrad_x, wgrad_dy)
+                             if not on) + _four_over_six(four_over_six)
+    return Recipe(name, x, fwd_w, dy, w, wgrad_x, wgrad_dy)
 
 
-def NVFP4Fwd_MXFP8Bwd(gradients: str = "e4m3") -> Recipe:
-    """NVFP4 (rowwise 1D) for x and w in fprop; MXFP8 for every dgrad and wgrad operand."""
+def NVFP4Fwd_MXFP8Bwd(gradients: str = "e4m3", four_over_six: bool = False) -> Recipe:
+    """NVFP4 (rowwise 1D) for x and w in fprop; MXFP8 for every dgrad and wgrad operand. four_over_six: the fprop
+    operands use 4over6 block selection (`NVFP4(use_4over6=True)`); name suffix "-4over6"."""
     m = MXFP8(gradients)
-    name = "nvfp4-fwd-mxfp8-bwd" + _hybrid(gradients)
-    return Recipe(name, _NVFP4(), _NVFP4(), m.dgrad_dy, m.dgrad_w, m.wgrad_x, m.wgrad_dy)
+    name = "nvfp4-fwd-mxfp8-bwd" + _hybrid(gradients) + _four_over_six(four_over_six)
+    f = _NVFP4(use_4over6=four_over_six)
+    return Recipe(name, f, f, m.dgrad_dy, m.dgrad_w, m.wgrad_x, m.wgrad_dy)
 
 
 def NVFP4_1x64(gradients: str = "e4m3") -> Recipe:
@@ -140,11 +151,12 @@ RECIPES = {"bf16": BF16, "mxfp8": MXFP8, "nvfp4": NVFP4, "nvfp4-fwd-mxfp8-bwd": 
 
 def _all_variants() -> dict[str, Recipe]:
     """Every recipe the factories above make, by name (names encode the options: "-hybrid" for E5M2 gradients;
-    "-no-rht", "-no-2d", "-no-sr" for NVFP4's switches turned off)."""
+    "-no-rht", "-no-2d", "-no-sr" for NVFP4's switches turned off; "-4over6" for 4over6 forward operands)."""
     out = [BF16()]
     for g in ("e4m3", "e5m2"):
-        out += [MXFP8(g), NVFP4Fwd_MXFP8Bwd(g), NVFP4_1x64(g)]
-    out += [NVFP4(a, b, c) for a in (True, False) for b in (True, False) for c in (True, False)]
+        out += [MXFP8(g), NVFP4Fwd_MXFP8Bwd(g), NVFP4Fwd_MXFP8Bwd(g, True), NVFP4_1x64(g)]
+    out += [NVFP4(a, b, c, d) for a in (True, False) for b in (True, False) for c in (True, False)
+            for d in (False, True)]
     return {r.name: r for r in out}
 
 
