@@ -209,3 +209,19 @@ def test_grouped_equals_single_tensor(rng):
         one = jax_fp4.quantize(jnp.asarray(x[lo:hi]), fmt)
         np.testing.assert_array_equal(codes_of(gq.data).reshape(-1)[lo * 32:hi * 32], codes_of(one.data).reshape(-1))
         np.testing.assert_array_equal(np.asarray(gq.amax)[g], np.asarray(one.amax))
+
+
+@pytest.mark.parametrize("name", ["nvfp4-fwd-mxfp8-bwd-4over6", "nvfp4-4over6"])
+def test_dense_forward_uses_the_4over6_operands(rng, name):
+    """jax_fp4.dense's forward (exact operands straight from the quantize pass) equals the float64 product of the
+    dequantized 4over6 operands within the emulation's bound: the tensor scales are amax / 1536, not / 2688."""
+    recipe = recipes.by_name(name)
+    x = rng.standard_normal((32, 64)).astype(np.float32)
+    w = rng.standard_normal((64, 48)).astype(np.float32)
+    y = np.asarray(jax.jit(lambda x, w: jax_fp4.dense(x, w, recipe=recipe))(x, w), np.float64)
+    dx = np.asarray(jax_fp4.dequantize(jax_fp4.quantize(jnp.asarray(x), recipe.fprop_x), jnp.float32), np.float64)
+    dw = np.asarray(jax_fp4.dequantize(jax_fp4.quantize(jnp.asarray(w), recipe.fprop_w, axis=0), jnp.float32),
+                    np.float64)
+    want = dx @ dw
+    bound = 70 * 2.0**-24 * (np.abs(dx) @ np.abs(dw))
+    assert np.all(np.abs(y - want) <= bound)
