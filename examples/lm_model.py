@@ -34,8 +34,8 @@ Block constraints of the quantized GEMMs: d_model and the MLP width multiples of
 
 Parallelism (``mesh``: a `jax.sharding.Mesh` with axes ("data", "fsdp", "tensor"), examples/lm_mesh.py; None = one
 device, nothing annotated):
-  * data parallel: the batch is sharded over "data" and "fsdp" (`lm_mesh.batch_sharding`); XLA all-reduces (or,
-    over "fsdp", reduce-scatters) the weight gradients.
+  * data parallel: the batch is sharded over "data" and "fsdp" (`lm_mesh.batch_sharding`); XLA reduces the weight
+    gradients across the batch shards.
   * fsdp: every matrix split over "fsdp" along its dimension "tensor" leaves whole (`lm_mesh.param_axes`), the AdamW
     moments alike (the optimizer state inherits the annotations).
   * tensor parallel (Megatron): the qkv and MLP-up kernels [in, out] (and their biases) are split by columns over
