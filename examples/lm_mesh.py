@@ -4,7 +4,7 @@
   * "fsdp": the batch is split over it too, and every matrix (GEMM kernels, embedding, logits head) is split over it
     along the axis tensor parallelism leaves whole (ZeRO-3 / FSDP: each device keeps 1/fsdp of the parameters and of
     the AdamW moments, `nnx.Optimizer` inheriting the parameters' annotations). XLA's SPMD partitioner gathers a
-    weight (in its stored dtype, before the layer casts and quantizes it) where a layer uses it, and reduces its
+    weight where a layer uses it (unquantized: every device then quantizes the whole weight), and reduces its
     gradient as it chooses (all-reduce on the CPU; `train_lm --collectives` lists what a compiled step does).
     `param_axes` is the one place that decides the layout, so a library FSDP API (e.g. quantized weight gathers)
     plugs in there.
