@@ -109,7 +109,8 @@ def _route(a, b, dn, implementation, bias) -> str:
     if implementation == "kernel" and route != "kernel":
         raise ValueError(f"scaled_dot_general: no jf4_gemm kernel for {a!r} x {b!r} with {dn} (it takes operands "
                          "without batch axes, each contracted along its block axis only; NVFP4 1x64 pairs only "
-                         "with NVFP4 1x64; a bias needs a free axis of rhs)")
+                         "with NVFP4 1x64; no 4over6 operands (its tensor scale is the 448 bound's); a bias needs a "
+                         "free axis of rhs)")
     if implementation == "native" and route != "native":
         raise ValueError(f"scaled_dot_general: no native block-scaled GEMM for {a!r} x {b!r} (it takes 2-D MXFP8 x "
                          "MXFP8 or NVFP4 1D x NVFP4 1D operands contracted along their block axis only)")
