@@ -210,10 +210,10 @@ class GPT(nnx.Module):
                                  f"0..{cfg.n_layers - 1}")
             self.segments = segments
             self.stacks = nnx.List([stack if (a, b) == (0, cfg.n_layers) else _take(
-                stack, slice(a, b), nnx.eval_shape(lambda n=b - a: _stack(cfg, recipe, nnx.Rngs(params=0, quantize=0), dtype, mesh, n)))
+                stack, slice(a, b), nnx.eval_shape(lambda n=b - a: _stack(cfg, recipe, _rngs(), dtype, mesh, n)))
                 for a, b in segments])
         else:
-            one = nnx.eval_shape(lambda: _block(cfg, recipe, nnx.Rngs(params=0, quantize=0), dtype, mesh))
+            one = nnx.eval_shape(lambda: _block(cfg, recipe, _rngs(), dtype, mesh))
             self.blocks = nnx.List([_take(stack, i, one) for i in range(cfg.n_layers)])
         norm = nnx.RMSNorm if cfg.arch == "llama" else nnx.LayerNorm
         self.norm = norm(cfg.d_model, epsilon=1e-6, dtype=dtype, rngs=rngs)
@@ -265,6 +265,11 @@ class GPT(nnx.Module):
 
 
 _LAYER_AXIS = {nnx.PARTITION_NAME: None}  # the stacked layer axis: unsharded (inserted into the sharding annotations)
+
+
+def _rngs():
+    """The rng streams of an abstract block (nnx.eval_shape): its structure matters, not its values."""
+    return nnx.Rngs(params=0, quantize=0)
 
 
 def _block(cfg, recipe, rngs, dtype, mesh):

@@ -35,14 +35,14 @@ is logged as aux_loss; train_loss / val_loss stay the cross-entropy. With --mesh
 
 Precision control (examples/lm_precision.py): --bf16-first / --bf16-last N, --bf16-last-fraction F, --mxfp8-first /
 --mxfp8-last N, --policy-mlp-only, --exclude PATTERN build a `jax_fp4.policy.Policy` (the layer -> recipe table is
-printed; per-block rules split scanned blocks into segments, one scan each); --switch-at X [--switch-to R --switch-scope fwd|all] switches the recipe
-at a step or fraction of training (one compiled step per phase over the same state; checkpoints record the phase);
---diagnostics N runs every N-th step as a diagnostics step (the same update) that also returns per-layer, per-operand
-quantization statistics (diagnostics.csv, diagnostics_<run>.png heatmaps of SNR and saturation); --seeds S ...
-repeats every configuration per seed and writes gaps.csv / gaps.json (each gap against bf16 of the same seed, mean
-and spread); --recipes a,b picks recipes; --stop-at STEP stops early (resume later). --preset medium (85.5M
-parameters) trains on every .py under site-packages. The table reports MFU (model FLOPs / step time / the device's
-dense bf16 peak, lm_precision.PEAK_BF16). Attention runs cuDNN's fused kernel on a GPU.
+printed; per-block rules split scanned blocks into segments, one scan each); --switch-at X [--switch-to R --switch-scope
+fwd|all] switches the recipe at a step or fraction of training (one compiled step per phase over the same state;
+checkpoints record the phase); --diagnostics N runs every N-th step as a diagnostics step (the same update) that also
+returns per-layer, per-operand quantization statistics (diagnostics.csv, diagnostics_<run>.png heatmaps of SNR and
+saturation); --seeds S ... repeats every configuration per seed and writes gaps.csv / gaps.json (each gap against bf16
+of the same seed, mean and spread); --recipes a,b picks recipes; --stop-at STEP stops early (resume later). --preset
+medium (85.5M parameters) trains on every .py under site-packages. The table reports MFU (model FLOPs / step time / the
+device's dense bf16 peak, lm_precision.PEAK_BF16). Attention runs cuDNN's fused kernel on a GPU.
 
 Writes to --out DIR: curves.csv (step, recipe, train_loss, val_loss, tokens_per_s; rows of recipes not run now are
 kept), curves.png (the recipes' curves overlaid), summary.json, and checkpoints/<recipe>/ (Orbax: model, optimizer

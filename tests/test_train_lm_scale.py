@@ -71,8 +71,9 @@ def test_large_presets(preset, low, high):
     loss = jax.eval_shape(lambda mdl, b: lm_model.loss_fn(mdl, b), model, batch)
     assert loss.shape == () and loss.dtype == jnp.float32
     opt = nnx.eval_shape(lambda: nnx.Optimizer(model, lm_model.make_optimizer(lm_model.OptConfig()), wrt=nnx.Param))
-    specs = {jax.tree_util.keystr(k).removesuffix(".value"): tuple(v) for k, v in jax.tree_util.tree_flatten_with_path(
-        nnx.get_partition_spec(nnx.state((model, opt))), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]}
+    flat = jax.tree_util.tree_flatten_with_path(nnx.get_partition_spec(nnx.state((model, opt))),
+                                                is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]
+    specs = {jax.tree_util.keystr(k).removesuffix(".value"): tuple(v) for k, v in flat}
     mats = {k: v for k, v in specs.items() if k.endswith(("['kernel']", "['embedding']"))}
     assert len(mats) == 3 * (2 + 2 * 4)  # params, mu, nu of embed, head and 2 stacks x (qkv, out, up, down)
     for k, v in mats.items():
