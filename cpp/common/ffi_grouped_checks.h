@@ -91,8 +91,13 @@ inline ffi::Error CheckGroupedOrientation(int kind, int opts, const std::string&
   JF4_CHECK(kind == codes::kNvfp4 || kind == codes::kMxfp8E4m3 || kind == codes::kMxfp8E5m2,
             side + ": unknown format kind " + std::to_string(kind));
   const bool nvfp4 = kind == codes::kNvfp4;
-  JF4_CHECK((opts & ~(codes::quantize::kSr | codes::quantize::kRht)) == 0 && (nvfp4 || opts == 0),
-            side + ": unsupported options " + std::to_string(opts) + " (grouped: NVFP4 1D with SR / RHT, MXFP8)");
+  constexpr int kGroupedOptions = codes::quantize::kSr | codes::quantize::kRht | codes::quantize::kUse4over6 |
+                                  codes::quantize::kE4m3Max256 | codes::quantize::kErrMse;
+  JF4_CHECK((opts & ~kGroupedOptions) == 0 && (nvfp4 || opts == 0),
+            side + ": unsupported options " + std::to_string(opts) + " (grouped: NVFP4 1D with SR / RHT / 4over6, "
+                   "MXFP8)");
+  JF4_CHECK(!((opts & codes::quantize::kUse4over6) && (opts & (codes::quantize::kSr | codes::quantize::kRht))),
+            side + ": 4over6 excludes stochastic rounding and RHT");
   JF4_RETURN_IF_ERROR(CheckGroupedBuffer(data, CodeType(kind), size, side + " data"));
   JF4_RETURN_IF_ERROR(CheckGroupedBuffer(scale, ScaleType(kind), size / BlockSize(kind), side + " scale"));
   JF4_RETURN_IF_ERROR(CheckGroupedBuffer(amax, ffi::DataType::F32, nvfp4 ? n : 0, side + " amax"));
@@ -165,6 +170,7 @@ struct GroupedDequantizeCall {
   int64_t size = 0, n = 0, bs = 16;
   bool nvfp4 = false;
   bool col = false, rht = false, raw = false;  // the flags (kColumnwise, kRht for NVFP4, kRaw)
+  bool bound256 = false;                       // kE4m3Max256: NVFP4 tensor scales amax * fp32(1/1536)
   bool tensor_scale = false;                   // NVFP4 not raw: amax holds the per-group tensor amaxes
   ffi::DataType out_type = ffi::DataType::F32;
   std::string where;  // "jf4_grouped_dequantize: data of <size> elements, <n> groups", the messages' prefix
@@ -185,7 +191,8 @@ inline ffi::Error CheckGroupedDequantize(const ffi::AnyBuffer& data, const ffi::
   const bool nvfp4 = kind == codes::kNvfp4;
   JF4_CHECK(nvfp4 || kind == codes::kMxfp8E4m3 || kind == codes::kMxfp8E5m2,
             where + ": unknown kind " + std::to_string(kind));
-  JF4_CHECK((flags & ~(kColumnwise | kRht | kRaw)) == 0 && (nvfp4 || (flags & (kRht | kRaw)) == 0),
+  JF4_CHECK((flags & ~(kColumnwise | kRht | kRaw | codes::grouped_dequantize::kE4m3Max256)) == 0 &&
+                (nvfp4 || (flags & (kRht | kRaw | codes::grouped_dequantize::kE4m3Max256)) == 0),
             where + ": unsupported flags " + std::to_string(flags));
   const ffi::DataType dtype = CodeType(kind);
   JF4_CHECK(size == 0 || data.element_type() == dtype, where + ": data dtype " + DataTypeName(data.element_type()));
@@ -209,6 +216,7 @@ inline ffi::Error CheckGroupedDequantize(const ffi::AnyBuffer& data, const ffi::
             where + ": null buffer");
   c->size = size, c->n = n, c->bs = bs;
   c->nvfp4 = nvfp4, c->col = flags & kColumnwise, c->rht = nvfp4 && (flags & kRht), c->raw = raw;
+  c->bound256 = nvfp4 && (flags & codes::grouped_dequantize::kE4m3Max256);
   c->tensor_scale = tensor_scale;
   c->out_type = od;
   c->where = where;

@@ -41,6 +41,7 @@ struct Call {
   bool out_bf16;
   int kind;
   bool col, rht, raw;
+  bool bound256;  // NVFP4 tensor scales on the E4M3 bound 256 (4over6)
   int64_t bs;
 
   bool Nvfp4() const { return kind == dequantize::kNvfp4; }
@@ -63,7 +64,8 @@ Geometry GroupGeometry(const GroupTable& t, const Call& c, int64_t g) {
   d.kind = c.kind;
   d.flags = (c.Nvfp4() && c.rht && !c.raw ? codes::dequantize::kRht : 0) |
             (transposed ? codes::dequantize::kTransposeOut : 0) |
-            (!c.Nvfp4() && c.col ? codes::dequantize::kMxColumnwise : 0);
+            (!c.Nvfp4() && c.col ? codes::dequantize::kMxColumnwise : 0) |
+            (c.Nvfp4() && c.bound256 ? codes::dequantize::kE4m3Max256 : 0);
   d.out = static_cast<uint8_t*>(c.out) + off * c.out_bytes;
   d.out_bytes = c.out_bytes;
   d.out_bf16 = c.out_bf16;
@@ -78,7 +80,7 @@ void DequantizeGeneric(const GroupTable& t, const Call& c, int64_t g) {
     if (c.Nvfp4()) {
       const int64_t si = off / 16 + b;
       const float s_b = cvt::E4M3Value(si < size / 16 ? c.scale[si] : 0u);
-      const float f = c.raw ? s_b : cvt::Nvfp4DecodeScale(s_b, c.amax[g]);
+      const float f = c.raw ? s_b : cvt::Nvfp4DecodeScale(s_b, c.amax[g], c.bound256);
       float v[16];
       for (int i = 0; i < 16; ++i) {
         const int64_t e = off + 16 * b + i;
@@ -144,6 +146,7 @@ ffi::Error GroupedDequantizeImpl(ffi::AnyBuffer data, ffi::AnyBuffer scale, ffi:
   c.col = gc.col;
   c.rht = gc.rht;
   c.raw = gc.raw;
+  c.bound256 = gc.bound256;
   c.bs = gc.bs;
   const GroupTable t(first_dims.typed_data(), last_dims.typed_data(), gc.n, gc.size);
   IeeeScope ieee;

@@ -42,6 +42,7 @@ struct DequantArgs {
   bool col;  // columnwise (axis 0): NVFP4 data is x_g.T, MXFP8 scales [M_g / 32, K_g]
   bool rht;  // NVFP4 RHT (inverse applied unless raw)
   bool raw;  // NVFP4 value(q) * s_b, no tensor scale, no inverse RHT
+  bool bound256;  // NVFP4 tensor scales on the E4M3 bound 256 (4over6): amax * fp32(1/1536)
 };
 
 constexpr int kRuns = 2;  // segments per thread and unit (tile path, row-major layouts): 47 registers for 16-bit outputs
@@ -123,7 +124,7 @@ __device__ __forceinline__ void GenericDequant(const DequantArgs& a, const Table
     if (16 * b >= cnt) return;
     const int64_t si = off / 16 + b;
     const float s_b = cvt::E4M3Value(si < a.size / 16 ? a.scale[si] : 0u);
-    const float f = a.raw ? s_b : cvt::Nvfp4DecodeScale(s_b, a.amax[g]);
+    const float f = a.raw ? s_b : cvt::Nvfp4DecodeScale(s_b, a.amax[g], a.bound256);
     float v[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
@@ -254,7 +255,7 @@ __global__ void __launch_bounds__(kThreads, DequantMinBlocks<Out, kTiles>())
     d.segs_per_row = CeilDiv(d.C, dequantize::kSeg);
     d.scale_cols_padded = 0;
     d.flags = (kNv && a.rht && !a.raw ? dequantize::kRht : 0) | (!kNv && a.col ? dequantize::kMxColumnwise : 0) |
-              (kNv && a.raw ? dequantize::kBlockOnly : 0);
+              (kNv && a.raw ? dequantize::kBlockOnly : 0) | (kNv && a.bound256 ? dequantize::kBound256 : 0);
     d.vector_data = d.C % dequantize::kSeg == 0 && reinterpret_cast<uintptr_t>(d.data) % (kNv ? 8 : 16) == 0 &&
                     (kNv || !a.col || reinterpret_cast<uintptr_t>(d.scale) % 16 == 0);
     Out* og = out + off;  // x_g [M_g, K_g]

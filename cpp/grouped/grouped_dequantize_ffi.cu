@@ -66,6 +66,7 @@ ffi::Error GroupedDequantizeImpl(cudaStream_t stream, ffi::AnyBuffer data, ffi::
   a.col = c.col;
   a.rht = c.rht;
   a.raw = c.raw;
+  a.bound256 = c.bound256;
   if (c.size == 0) return ffi::Error::Success();
   switch (c.out_type) {
     case ffi::DataType::F32: return LaunchKind<float>(kind, a, stream);

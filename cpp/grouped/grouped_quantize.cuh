@@ -130,7 +130,15 @@ __device__ __forceinline__ uint32_t Nvfp4Block(const QuantArgs& a, const Table& 
     v[i] = src < a.size ? quantize::ToFloat<In>(x[src]) : 0.0f;
   }
   if (opts & quantize::kRht) cvt::RhtForward16(v);
-  const float enc = cvt::GlobalEncodeScale((col ? a.amax_col : a.amax_row)[g]);
+  const float amax = (col ? a.amax_col : a.amax_row)[g];
+  const float enc = quantize::TensorEncodeScale(amax, opts);
+  if (opts & quantize::k4over6) {  // 1D: the block's own choice (four_over_six.cuh)
+    const four_over_six::Pair p =
+        four_over_six::Candidates(v, quantize::Max16(v), amax, enc, quantize::E4m3Bound(opts), opts & quantize::kMse);
+    const four_over_six::Candidate& s = four_over_six::PickMap4(p.c[0].err, p.c[1].err) ? p.c[0] : p.c[1];
+    *codes = make_uint2(s.w[0], s.w[1]);
+    return s.sc;
+  }
   const uint32_t* key = (col ? a.key_col : a.key_row) + 2 * int64_t(g);
   return quantize::EncodeNvfp4(v, quantize::Max16(v), enc, false, opts & quantize::kSr, 16 * b, key,
                                reinterpret_cast<uint8_t*>(codes));
@@ -293,10 +301,11 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<kRow, kCol>()) GroupedQuan
           q.col_scale = a.col_scale + off / BlockOf(kCol);
         }
         q.row_opts = row_opts, q.col_opts = col_opts;
+        q.amax_row = a.amax_row + g, q.amax_col = a.amax_col + g;  // the group's tensor amax (4over6's error)
         q.vector_loads = (k * int64_t(sizeof(In))) % 16 == 0 && reinterpret_cast<uintptr_t>(x + off) % 16 == 0;
         if ((kRow == kNvfp4 || kCol == kNvfp4) && g != tab_g) {
-          if (kRow == kNvfp4) enc_row = cvt::GlobalEncodeScale(a.amax_row[g]);
-          if (kCol == kNvfp4) enc_col = cvt::GlobalEncodeScale(a.amax_col[g]);
+          if (kRow == kNvfp4) enc_row = quantize::TensorEncodeScale(a.amax_row[g], row_opts);
+          if (kCol == kNvfp4) enc_col = quantize::TensorEncodeScale(a.amax_col[g], col_opts);
           if (row_tab) quantize::MultiplierTable(tab[0], enc_row, 0);
           if (col_tab) quantize::MultiplierTable(tab[1], enc_col, 128);
           if (row_tab || col_tab) __syncthreads();

@@ -225,3 +225,24 @@ def test_dense_forward_uses_the_4over6_operands(rng, name):
     want = dx @ dw
     bound = 70 * 2.0**-24 * (np.abs(dx) @ np.abs(dw))
     assert np.all(np.abs(y - want) <= bound)
+
+
+@pytest.mark.skipif(not ffi.HAS_CPU_KERNELS, reason="CPU extension not built")
+def test_grouped_cpu_handlers_equal_reference(rng):
+    """jf4_grouped_quantize / jf4_grouped_dequantize on the host: 4over6 groups (three groups, both
+    orientations) and their dequantize (tensor scales on the 256 bound) equal the reference lowering bit for bit."""
+    x = jnp.asarray(rng.standard_normal((96, 64)).astype(np.float32))
+    sizes = np.array([32, 48, 16], np.int32)
+    fmt = jax_fp4.NVFP4(use_4over6=True)
+
+    def f(x):
+        row, col, _ = jax_fp4.grouped_quantize_rowwise_columnwise(x, sizes, fmt, jax_fp4.NVFP4(use_4over6=True,
+                                                                                                  err_mode_4over6="MSE"))
+        return row, col, jax_fp4.grouped_dequantize(row, jnp.float32), jax_fp4.grouped_dequantize(col, jnp.bfloat16)
+
+    got = jax.jit(f)(x)
+    with ffi.reference_lowering_on_cpu():
+        want = jax.jit(f)(x)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.atleast_1d(np.asarray(g)).view(np.uint8),
+                                      np.atleast_1d(np.asarray(w)).view(np.uint8))

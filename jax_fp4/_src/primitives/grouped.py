@@ -245,7 +245,8 @@ MAX_KERNEL_GROUPS = 1024  # cpp/grouped/group_table.cuh kMaxGroups (the group ta
 # jf4_grouped_quantize attributes: row_kind / col_kind and flags = row options | col options << COL_SHIFT, with the
 # kinds and options of jf4_quantize (NVFP4 SR and RHT only); jf4_grouped_dequantize: kind and GroupedDequantizeFlag
 # (jax_fp4/_src/ffi_codes.py).
-_GROUPED_OPTIONS = QuantizeOption.SR | QuantizeOption.RHT
+_GROUPED_OPTIONS = (QuantizeOption.SR | QuantizeOption.RHT | QuantizeOption.USE_4OVER6 | QuantizeOption.E4M3_MAX_256
+                    | QuantizeOption.ERR_MSE)
 
 
 def quantize_flags(row_fmt, col_fmt, amax_given: int = 0) -> dict:
@@ -260,6 +261,7 @@ def dequantize_flags(fmt, axis, raw) -> dict:
     f = (GroupedDequantizeFlag.COLUMNWISE if axis == 0 else 0)
     f |= GroupedDequantizeFlag.RAW if raw and fmt.has_tensor_amax else 0
     f |= GroupedDequantizeFlag.RHT if fmt.rht else 0
+    f |= GroupedDequantizeFlag.E4M3_MAX_256 if fmt.has_tensor_amax and fmt.global_e4m3_max == 256 else 0
     return dict(kind=np.int32(ffi_codes.kind(fmt)), flags=np.int32(f))
 
 
@@ -296,9 +298,7 @@ def kernel_quantize(x, first_dims, last_dims, key_row, key_col, amax_in, *, row_
     """The FFI lowering's function (module docstring semantics; the reference beyond `max_groups` groups)."""
     params = dict(row_fmt=row_fmt, col_fmt=col_fmt, representation=representation, dbias=dbias,
                   amax_given=amax_given)
-    if (max_groups is not None and first_dims.shape[0] > max_groups) or any(
-            f is not None and f.use_4over6 for f in (row_fmt, col_fmt)):
-        # (the grouped kernels have no 4over6 encode: the reference serves it)
+    if max_groups is not None and first_dims.shape[0] > max_groups:
         return reference_quantize(x, first_dims, last_dims, key_row, key_col, amax_in, **params)
     outs = _kernel_quantize(x, first_dims, last_dims, key_row, key_col, amax_in, row_fmt=row_fmt, col_fmt=col_fmt,
                             amax_given=amax_given)
@@ -309,8 +309,7 @@ def kernel_quantize(x, first_dims, last_dims, key_row, key_col, amax_in, *, row_
 def kernel_dequantize(data, scale, amax, first_dims, last_dims, *, fmt, axis, x_shape, out_dtype, raw,
                       max_groups=None):
     """The FFI lowering's function of `jf4_grouped_dequantize` (the reference beyond `max_groups` groups)."""
-    bound256 = fmt.has_tensor_amax and fmt.global_e4m3_max == 256 and not raw  # no kernel decode on that bound
-    if (max_groups is not None and first_dims.shape[0] > max_groups) or bound256:
+    if max_groups is not None and first_dims.shape[0] > max_groups:
         return reference_dequantize(data, scale, amax, first_dims, last_dims, fmt=fmt, axis=axis, x_shape=x_shape,
                                     out_dtype=out_dtype, raw=raw)
     if raw or not _tensor_scale(fmt):
