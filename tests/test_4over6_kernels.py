@@ -79,3 +79,17 @@ def test_dequantize_4over6(rng, fmt):
     q = jax.jit(lambda x: (jax_fp4.quantize(x, fmt), jax_fp4.quantize(x, fmt, axis=0)))(x)
     gpu_vs_cpu(lambda q: [jax_fp4.dequantize(a, d) for a in q for d in (jnp.float32, jnp.bfloat16)], q,
                present=("jf4_dequantize",))
+
+
+@pytest.mark.parametrize("sizes", [(32, 48, 16), (24, 40, 32)], ids=["aligned", "misaligned"])
+def test_grouped_4over6(rng, sizes):
+    """jf4_grouped_quantize (tile and generic paths) and jf4_grouped_dequantize on 4over6 groups; the sizes are
+    traced, so misaligned groups reach the kernels (their columnwise outputs are poisoned alike)."""
+    x = random_input(rng, (96, 48), jnp.bfloat16)
+    row, col = NVFP4(use_4over6=True), NVFP4(use_4over6=True, err_mode_4over6="MSE")
+
+    def f(x, s):
+        qr, qc, _ = jax_fp4.grouped_quantize_rowwise_columnwise(x, s, row, col)
+        return qr, qc, jax_fp4.grouped_dequantize(qr, jnp.float32)
+
+    gpu_vs_cpu(f, x, jnp.asarray(sizes, jnp.int32), present=("jf4_grouped_quantize", "jf4_grouped_dequantize"))
