@@ -1,4 +1,4 @@
-"""examples/lm_report.py's comparison plot: one colour per recipe, and the single-seed noise band from the bf16
+"""examples/lm/lm_report.py's comparison plot: one colour per recipe, and the single-seed noise band from the bf16
 train loss."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "lm"))
 lm_report = pytest.importorskip("lm_report")
 pytest.importorskip("matplotlib")
 

@@ -33,7 +33,7 @@ from jax_fp4.flax import linen as flinen  # noqa: E402
 from jax_fp4.flax import nnx as fnnx  # noqa: E402
 from jax_fp4.flax import policy as FP  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "lm"))
 import lm_model  # noqa: E402
 
 BF16, MX, NV = recipes.BF16(), recipes.MXFP8(), recipes.NVFP4Fwd_MXFP8Bwd()

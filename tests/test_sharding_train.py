@@ -34,7 +34,7 @@ a module fixture starts them all at once (XLA compiles single-threaded, so they 
   column-parallel dgrad output [M / data, features]; all-reduce(add) over "data" of the weight gradient and dbias
   (and of scalar losses). No all-gather, all-to-all, collective-permute or reduce-scatter. Also: a tensor-parallel
   weight (rows or columns split) quantizes with the global tensor amax (all-reduce(max) over "tensor"), bit for bit.
-* examples/train_lm.py --mesh 2x2 --preset tiny --steps 3 on 4 forced devices; its first loss equals the one-device
+* examples/lm/train_lm.py --mesh 2x2 --preset tiny --steps 3 on 4 forced devices; its first loss equals the one-device
   run's within the float32 bound above.
 * Stochastic rounding under sharding: every element draws the random byte of its index in the global stored data
   (each shard's body passes its offsets to the kernel / reference, see partitioning.py), so a sharded SR quantize
@@ -332,8 +332,8 @@ def runs(tmp_path_factory):
     r.start("step b", ["-c", STEP_SCRIPT, json.dumps({"nvfp4": ["dp 4x1", "dp+tp 2x2"]})], 8)
     r.start("step c", ["-c", STEP_SCRIPT, json.dumps({"bf16": every, "mxfp8": every})], 8)
     r.start("hlo", ["-c", HLO_SCRIPT], 8)
-    r.start("lm 2x2", ["examples/train_lm.py", *TINY, "--mesh", "2x2", "--out", str(r.tmp / "2x2")], 4)
-    r.start("lm 1", ["examples/train_lm.py", *TINY, "--out", str(r.tmp / "one")], 1)
+    r.start("lm 2x2", ["examples/lm/train_lm.py", *TINY, "--mesh", "2x2", "--out", str(r.tmp / "2x2")], 4)
+    r.start("lm 1", ["examples/lm/train_lm.py", *TINY, "--out", str(r.tmp / "one")], 1)
     yield r
     r.close()
 

@@ -1,4 +1,4 @@
-"""examples/train_lm.py (the byte-level GPT trained through jax_fp4.flax layers) on the CPU.
+"""examples/lm/train_lm.py (the byte-level GPT trained through jax_fp4.flax layers) on the CPU.
 
 * every recipe: a short run on the stdlib corpus in which the training loss falls (1 block, 20 steps; the XLA compile
   of the bit-exact reference kernels dominates: ~2 s for bf16 up to ~30 s for nvfp4 / nvfp4-1x64);
@@ -33,7 +33,7 @@ pytest.importorskip("orbax.checkpoint")
 pytest.importorskip("tqdm")
 pytest.importorskip("matplotlib")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "lm"))
 
 import jax  # noqa: E402
 import lm_checkpoint  # noqa: E402

@@ -1,4 +1,4 @@
-"""Precision control in examples/train_lm.py (policy flags, precision switch, diagnostics, seeds, medium preset) and
+"""Precision control in examples/lm/train_lm.py (policy flags, precision switch, diagnostics, seeds, medium preset) and
 jax_fp4.schedule.PrecisionSwitch, on the CPU.
 
 * PrecisionSwitch: the switch step of a step / fraction, the phases, the switched recipes (forward only or all GEMMs,
@@ -32,7 +32,7 @@ pytest.importorskip("orbax.checkpoint")
 pytest.importorskip("tqdm")
 pytest.importorskip("matplotlib")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "lm"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

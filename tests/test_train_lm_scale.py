@@ -1,4 +1,4 @@
-"""examples/train_lm.py at scale, on the CPU: the Llama-style presets, fsdp meshes, scanned segments, remat, the BPE
+"""examples/lm/train_lm.py at scale, on the CPU: the Llama-style presets, fsdp meshes, scanned segments, remat, the BPE
 tokenizer and resuming on another mesh.
 
 * the large (~1B) and large-350m presets: parameter counts and FLOPs by abstract evaluation (nnx.eval_shape, no
@@ -33,7 +33,7 @@ pytest.importorskip("orbax.checkpoint")
 pytest.importorskip("tokenizers")
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "examples" / "lm"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -206,7 +206,7 @@ def test_tokenizer_deterministic(tmp_path):
 
 MESH_SCRIPT = r"""
 import sys, json
-sys.path.insert(0, "examples")
+sys.path.insert(0, "examples/lm")
 import jax, train_lm, lm_model, lm_mesh
 from jax_fp4 import recipes
 out = sys.argv[1]

@@ -1,4 +1,4 @@
-"""Building blocks of train_lm's models (examples/lm_model.py): rotary embedding, attention, the Llama-style block,
+"""Building blocks of train_lm's models (examples/lm/lm_model.py): rotary embedding, attention, the Llama-style block,
 sharding annotations and activation checkpointing (remat) policies.
 
 LlamaBlock (the ``arch="llama"`` block): x + out(attention(qkv(RMSNorm(x)))), then x + down(SwiGLU(up(RMSNorm(x)))),

@@ -7,8 +7,8 @@ comparable, only the losses are). bf16 runs once per seed and is the reference o
 end the runs' summaries are merged, the gaps computed (`lm_precision.seed_gaps`: each seed against bf16 of the same
 seed) and written to OUT/gaps.csv, OUT/gaps.json and OUT/summary.json, with a table on stdout.
 
-    python examples/precision_study.py --preset small --seeds 0 1 2 --per-gpu 3 --out runs/study
-    python examples/precision_study.py --preset tiny --steps 20 --seeds 0 1 2 --configs nvfp4-fwd-mxfp8-bwd \
+    python examples/lm/precision_study.py --preset small --seeds 0 1 2 --per-gpu 3 --out runs/study
+    python examples/lm/precision_study.py --preset tiny --steps 20 --seeds 0 1 2 --configs nvfp4-fwd-mxfp8-bwd \
         --out runs/study-cpu            # on the CPU: one run at a time
 
 Configurations are named in CONFIGS (recipe plus train_lm precision flags); `--configs a,b` picks some. Extra

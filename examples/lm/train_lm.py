@@ -1,26 +1,26 @@
 """Train a GPT- or Llama-style decoder whose attention projections and MLPs run through jax_fp4's quantized layers.
 
-    python examples/train_lm.py --compare --preset tiny --out runs/tiny          # every recipe, CPU: a few minutes
-    python examples/train_lm.py --recipe nvfp4 --preset small --steps 2000       # one recipe, one GPU
-    python examples/train_lm.py --recipe mxfp8 --data book.txt --resume --out runs/book
-    python examples/train_lm.py --compare --preset small --mesh 2x1      # 2 GPUs, data parallel (1x2: tensor)
-    python examples/train_lm.py --compare --moe 8 --top-k 2              # mixture-of-experts MLPs (8 experts, top-2)
-    python examples/train_lm.py --recipes bf16,nvfp4-fwd-mxfp8-bwd --preset large --mesh 1x2x1    # ~1B, 2 GPUs, fsdp
+    python examples/lm/train_lm.py --compare --preset tiny --out runs/tiny          # every recipe, CPU: a few minutes
+    python examples/lm/train_lm.py --recipe nvfp4 --preset small --steps 2000       # one recipe, one GPU
+    python examples/lm/train_lm.py --recipe mxfp8 --data book.txt --resume --out runs/book
+    python examples/lm/train_lm.py --compare --preset small --mesh 2x1      # 2 GPUs, data parallel (1x2: tensor)
+    python examples/lm/train_lm.py --compare --moe 8 --top-k 2              # mixture-of-experts MLPs (8 experts, top-2)
+    python examples/lm/train_lm.py --recipes bf16,nvfp4-fwd-mxfp8-bwd --preset large --mesh 1x2x1    # ~1B, 2 GPUs, fsdp
 
-The model (examples/lm_model.py): a pre-norm decoder with rotary positions; qkv, the attention output projection
+The model (examples/lm/lm_model.py): a pre-norm decoder with rotary positions; qkv, the attention output projection
 and the MLP are `jax_fp4.flax.nnx` layers following the recipe, the embedding, norms, attention scores and logits head
 stay bfloat16. --arch gpt (LayerNorm, GELU MLP, biases; tiny / small / medium) or llama (RMSNorm, SwiGLU MLP
---mlp-hidden, grouped-query attention --kv-heads, no biases; examples/lm_layers.py); --remat none|quantized|full
+--mlp-hidden, grouped-query attention --kv-heads, no biases; examples/lm/lm_layers.py); --remat none|quantized|full
 checkpoints every block (quantized: keep the quantized GEMM residuals). AdamW (warmup + cosine, global-norm
-clipping) in one jitted train step. Data (examples/lm_data.py): the Python standard library's .py files (no download;
+clipping) in one jitted train step. Data (examples/lm/lm_data.py): the Python standard library's .py files (no download;
 split by file) or any --data FILE (split by contiguous region); byte tokens, or --tokenizer bpe --vocab N: a
-byte-level BPE trained on the corpus with Hugging Face tokenizers (examples/lm_tokenizer.py, cached under
+byte-level BPE trained on the corpus with Hugging Face tokenizers (examples/lm/lm_tokenizer.py, cached under
 --out/tokenizer). `--compare` trains every recipe from the same initial weights on the same batches in the same order.
 --preset large: Llama-style, 1.01B parameters, seq 2048, BPE 32768, scanned blocks, remat quantized; large-350m: the
 same at 0.34B.
 
 --mesh DATAxTENSOR or DATAxFSDPxTENSOR (e.g. 2x1, 1x2, 1x2x1, 2x2x2; the product = the device count) runs the step on
-a (data, fsdp, tensor) mesh (examples/lm_mesh.py): the batch split over data x fsdp, every matrix and its AdamW
+a (data, fsdp, tensor) mesh (examples/lm/lm_mesh.py): the batch split over data x fsdp, every matrix and its AdamW
 moments split over "fsdp", and Megatron-style tensor parallelism over "tensor" (qkv and MLP-up kernels split by
 columns, attention-output and MLP-down kernels by rows, attention by heads). The jax_fp4 quantize primitives run per
 shard with the tensor amaxes reduced across shards. Without --mesh: one device, as before. Checkpoints hold global
@@ -33,7 +33,7 @@ dense one (mlp_ratio x d_model), its grouped GEMMs quantized by the recipe throu
 (default 0.01) x the Switch load-balancing loss (E * sum_e f_e P_e averaged over the blocks, 1 when balanced), which
 is logged as aux_loss; train_loss / val_loss stay the cross-entropy. With --mesh: data parallel only (tensor 1).
 
-Precision control (examples/lm_precision.py): --bf16-first / --bf16-last N, --bf16-last-fraction F, --mxfp8-first /
+Precision control (examples/lm/lm_precision.py): --bf16-first / --bf16-last N, --bf16-last-fraction F, --mxfp8-first /
 --mxfp8-last N, --policy-mlp-only, --exclude PATTERN build a `jax_fp4.policy.Policy` (the layer -> recipe table is
 printed; per-block rules split scanned blocks into segments, one scan each); --switch-at X [--switch-to R --switch-scope
 fwd|all] switches the recipe at a step or fraction of training (one compiled step per phase over the same state;

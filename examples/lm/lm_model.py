@@ -32,7 +32,7 @@ recipe starts from the same weights for the same seed; recipes with stochastic r
 Block constraints of the quantized GEMMs: d_model and the MLP width multiples of 64 and the tokens per batch
 (batch x seq) a multiple of 128 (MXFP8 blocks of 32 along every GEMM axis, NVFP4 16x16 weight blocks, the RHT's 16).
 
-Parallelism (``mesh``: a `jax.sharding.Mesh` with axes ("data", "fsdp", "tensor"), examples/lm_mesh.py; None = one
+Parallelism (``mesh``: a `jax.sharding.Mesh` with axes ("data", "fsdp", "tensor"), examples/lm/lm_mesh.py; None = one
 device, nothing annotated):
   * data parallel: the batch is sharded over "data" and "fsdp" (`lm_mesh.batch_sharding`); XLA reduces the weight
     gradients across the batch shards.
