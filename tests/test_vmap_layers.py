@@ -30,8 +30,9 @@ def test_vmap_grad_of_an_sr_forward_compiles_fast_and_keeps_the_bits():
         seconds = time.perf_counter() - t0
         assert seconds < 60, f"{recipe.name}: vmap(grad(dense)) took {seconds:.0f} s to compile"
         out = compiled(xs, keys)
+        one = jax.jit(grad)  # (compiled too: the reference path's eager and jitted gradients may round differently)
         for i in range(4):  # each example's own key and stream, as the unbatched call
-            np.testing.assert_array_equal(np.asarray(out[i]), np.asarray(grad(xs[i], keys[i])))
+            np.testing.assert_array_equal(np.asarray(out[i]), np.asarray(one(xs[i], keys[i])))
 
 
 class _MLP(nnx.Module):
