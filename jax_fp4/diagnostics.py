@@ -32,7 +32,8 @@ sees exactly the dy the dense backward receives). Differentiate the loss with re
 the statistics from their gradients; `jax_fp4.flax.diagnostics` does that for NNX models. The keys are derived as
 `jax_fp4.dense` derives them, so stochastic rounding draws the same bits the GEMMs see.
 
-`rows`, `write_csv` and `plot_heatmap` turn {layer: float32[6, 6]} into CSV rows and a layer x operand heatmap.
+The module computes statistics only; writing them out (CSV files, heatmaps) is left to the caller
+(examples/lm/lm_report.py writes train_lm's diagnostics.csv and heatmap PNGs).
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_fp4._src.primitives.dequantize import dequantize_array
 from jax_fp4._src.vjp_util import operand_keys
@@ -54,7 +54,7 @@ from jax_fp4.recipes import Recipe, resolve
 from jax_fp4.reference import rht
 
 __all__ = ["STATS", "OPERANDS", "quantization_stats", "operand_stats", "unquantized_stats", "dense", "dense_stats",
-           "probe_shape", "rows", "write_csv", "plot_heatmap"]
+           "probe_shape"]
 
 STATS = ("snr_db", "saturated", "flushed", "scale_underflow", "scale_overflow", "amax")
 OPERANDS = ("fprop_x", "fprop_w", "dgrad_dy", "dgrad_w", "wgrad_x", "wgrad_dy")
@@ -222,78 +222,3 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, probe):
     x2 = jax.lax.stop_gradient(x.reshape(-1, x.shape[-1]))
     fwd = _forward_stats(x2, jax.lax.stop_gradient(kernel), recipe, kx, kw)
     return _record(recipe, y, probe, fwd, kdy)
-
-
-# ---- reporting -------------------------------------------------------------------------------------------------------
-def rows(stats: dict, step: int | None = None, **extra) -> list[dict]:
-    """CSV rows of {layer: float[..., 6, 6]}: one row per (layer, operand) with the `STATS` columns; a stacked layer
-    (leading axes, e.g. scanned blocks [L, 6, 6]) gives one layer per index, named "path[i]"."""
-    out = []
-    for layer, s in stats.items():
-        s = np.asarray(s, np.float64)
-        lead = s.shape[:-2]
-        for idx in np.ndindex(*lead):
-            name = layer + "".join(f"[{i}]" for i in idx)
-            for j, op in enumerate(OPERANDS):
-                row = {"step": step, **extra, "layer": name, "operand": op}
-                row.update({k: float(s[idx + (j, c)]) for c, k in enumerate(STATS)})
-                out.append(row)
-    return out
-
-
-def write_csv(path, rows_: list[dict], append: bool = False):
-    """Write (or append) rows to a CSV file with a header (columns from the first row)."""
-    import csv
-    from pathlib import Path
-
-    path = Path(path)
-    if not rows_:
-        return
-    fields = list(rows_[0])
-    new = not (append and path.is_file())
-    with path.open("w" if new else "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        if new:
-            w.writeheader()
-        w.writerows(rows_)
-
-
-def _natural(name: str):
-    """Sort key reading the digit runs of a layer path as numbers."""
-    import re
-
-    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", name) if t]
-
-
-def plot_heatmap(path, rows_: list[dict], stat: str = "snr_db", title: str = ""):
-    """A layer x operand heatmap PNG of one statistic (the last step's rows of each layer; unquantized operands, SNR
-    +inf, left blank and labelled), with the values written in the cells."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if stat not in STATS:
-        raise ValueError(f"plot_heatmap: stat must be one of {STATS}, got {stat!r}")
-    last = {}
-    for r in rows_:
-        last[(r["layer"], r["operand"])] = float(r[stat])
-    layers = sorted(dict.fromkeys(k[0] for k in last), key=_natural)  # blocks/2 before blocks/10
-    grid = np.array([[last.get((la, op), np.nan) for op in OPERANDS] for la in layers], np.float64)
-    unquantized = np.isposinf(grid) if stat == "snr_db" else np.zeros(grid.shape, bool)
-    grid[~np.isfinite(grid)] = np.nan
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(layers) + 1.8), dpi=110)
-    im = ax.imshow(grid, aspect="auto", cmap="viridis")
-    ax.set_xticks(range(len(OPERANDS)), OPERANDS, rotation=30, ha="right")
-    ax.set_yticks(range(len(layers)), layers, fontsize=7)
-    for (i, j), v in np.ndenumerate(grid):
-        if np.isfinite(v):
-            ax.text(j, i, f"{v:.1f}" if stat == "snr_db" else f"{v:.2g}", ha="center", va="center", fontsize=6,
-                    color="w")
-        elif unquantized[i, j]:
-            ax.text(j, i, "unquantized", ha="center", va="center", fontsize=5, color="0.4")
-    fig.colorbar(im, ax=ax, label=stat)
-    ax.set_title(title or stat, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)

@@ -6,8 +6,7 @@
 * the instrumented step returns the plain step's loss and gradients, and leaves the model's state as it was;
 * hand-made edge cases: saturation, flush to zero and scale underflow / overflow on blocks built for them (MXFP8
   and NVFP4 through `operand_stats`); an unquantized operand (+inf dB, zero fractions);
-* an RHT operand: its SNR equals the SNR computed in the original domain (orthogonal transform);
-* CSV rows and the heatmap PNG.
+* an RHT operand: its SNR equals the SNR computed in the original domain (orthogonal transform).
 """
 
 from __future__ import annotations
@@ -135,14 +134,3 @@ def test_rht_snr_is_domain_independent():
     err = xb - np.asarray(dequantize(quantize(jnp.asarray(x, jnp.bfloat16), fmt, axis=0)), np.float64)
     np.testing.assert_allclose(float(s[0]), 10 * np.log10(np.sum(xb**2) / np.sum(err**2)), rtol=1e-4)
 
-
-def test_rows_csv_heatmap(tmp_path):
-    stats = {"blocks/up": np.arange(2 * 36, dtype=F32).reshape(2, 6, 6), "head": np.full((6, 6), np.inf, F32)}
-    rows = D.rows(stats, step=7, recipe="r")
-    assert len(rows) == 3 * 6 and rows[0]["layer"] == "blocks/up[0]" and rows[6]["layer"] == "blocks/up[1]"
-    assert rows[7]["operand"] == "fprop_w" and rows[7]["snr_db"] == 42.0 and rows[0]["step"] == 7
-    D.write_csv(tmp_path / "d.csv", rows)
-    D.write_csv(tmp_path / "d.csv", rows, append=True)
-    assert len((tmp_path / "d.csv").read_text().splitlines()) == 1 + 2 * 18
-    D.plot_heatmap(tmp_path / "h.png", rows)
-    assert (tmp_path / "h.png").stat().st_size > 1000

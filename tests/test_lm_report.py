@@ -36,3 +36,28 @@ def test_plot_has_a_colour_per_recipe_and_the_noise_band(tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     assert len({tuple(c) for c in info["colors"].values()}) == len(names)
     assert info["noise_pct"] is not None and 0.5 < info["noise_pct"] < 2.5
+
+
+def test_diagnostics_rows_csv_and_heatmaps(tmp_path):
+    """diagnostic_rows flattens stacked statistics into one row per (layer index, operand); write_diagnostics
+    replaces a run's rows in diagnostics.csv (other runs kept) and draws its heatmaps."""
+    import csv
+
+    from jax_fp4.diagnostics import OPERANDS, STATS
+
+    stats = {"blocks/up": np.arange(2 * 36, dtype=np.float32).reshape(2, 6, 6), "head": np.full((6, 6), np.inf)}
+    rows = lm_report.diagnostic_rows(stats, step=7, run="a", phase=0)
+    assert [r["layer"] for r in rows[::6]] == ["blocks/up[0]", "blocks/up[1]", "head"]
+    for r in rows[:12]:
+        i, j = int(r["layer"][-2]), OPERANDS.index(r["operand"])
+        assert [r[k] for k in STATS] == list(stats["blocks/up"][i, j]) and r["step"] == 7 and r["run"] == "a"
+    lm_report.write_diagnostics(tmp_path, "a", rows)
+    lm_report.write_diagnostics(tmp_path, "b", lm_report.diagnostic_rows({"head": stats["head"]}, step=3, run="b"))
+    lm_report.write_diagnostics(tmp_path, "a", rows[6:])  # replaces a's rows
+    with (tmp_path / "diagnostics.csv").open(newline="") as f:
+        runs = [r["run"] for r in csv.DictReader(f)]
+    assert runs.count("a") == len(rows) - 6 and runs.count("b") == 6
+    assert (tmp_path / "diagnostics_a.png").stat().st_size > 1000
+    assert (tmp_path / "diagnostics_b_saturated.png").is_file()
+    with pytest.raises(ValueError, match="stat must be one of"):
+        lm_report.plot_heatmap(tmp_path / "x.png", rows, "snr")

@@ -1,4 +1,4 @@
-"""Precision control for train_lm.py: policy and switch flags, run names, MFU, seed-averaged gaps, diagnostics files.
+"""Precision control for train_lm.py: policy, switch and diagnostics flags, run names, MFU, seed-averaged gaps.
 
 Flags (added to train_lm's parser by `add_arguments`):
   --bf16-first N / --bf16-last N / --bf16-last-fraction F   those transformer blocks in BF16
@@ -25,7 +25,6 @@ from pathlib import Path
 
 import numpy as np
 
-from jax_fp4 import diagnostics as qdiag
 from jax_fp4 import policy as qpolicy
 from jax_fp4 import recipes
 from jax_fp4.schedule import SCOPES, PrecisionSwitch
@@ -207,24 +206,3 @@ def write_gaps(out: Path, gaps: dict):
         for cfg, g in gaps.items():
             w.writerow([cfg, " ".join(map(str, g["seeds"])), g["val_loss_mean"], g["mean_pct"], g["std_pct"],
                         g["min_pct"], g["max_pct"]])
-
-
-def write_diagnostics(out: Path, name: str, rows: list[dict]):
-    """Replace `name`'s rows in out/diagnostics.csv and draw out/diagnostics_<name>.png (SNR per layer and operand
-    at the last recorded step of the first phase, i.e. before a precision switch) and
-    out/diagnostics_<name>_saturated.png; copy the SNR map to out/diagnostics.png."""
-    if not rows:
-        return
-    path = out / "diagnostics.csv"
-    old = []
-    if path.is_file():
-        with path.open(newline="") as f:
-            old = [r for r in csv.DictReader(f) if r.get("run") != name]
-    qdiag.write_csv(path, old + rows)
-    first = min(int(r.get("phase") or 0) for r in rows)
-    last = max(int(r["step"]) for r in rows if int(r.get("phase") or 0) == first)
-    final = [r for r in rows if int(r["step"]) == last]
-    qdiag.plot_heatmap(out / f"diagnostics_{name}.png", final, "snr_db", f"{name}: quantization SNR (dB), step {last}")
-    qdiag.plot_heatmap(out / f"diagnostics_{name}_saturated.png", final, "saturated",
-                       f"{name}: fraction of values saturated, step {last}")
-    (out / "diagnostics.png").write_bytes((out / f"diagnostics_{name}.png").read_bytes())

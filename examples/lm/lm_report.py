@@ -1,5 +1,6 @@
-"""Outputs of a train_lm.py run: curves.csv (merged across invocations), curves.png, the summary table, and the
-device metrics that summary.json records (peak memory per device, collective bytes of the compiled step)."""
+"""Outputs of a train_lm.py run: curves.csv (merged across invocations), curves.png, the summary table, the
+device metrics that summary.json records (peak memory per device, collective bytes of the compiled step), and the
+quantization diagnostics (diagnostics.csv and the layer x operand heatmaps of `jax_fp4.diagnostics` statistics)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 import jax
 import lm_precision
 import numpy as np
+
+from jax_fp4.diagnostics import OPERANDS, STATS
 
 CSV_FIELDS = ("step", "recipe", "train_loss", "val_loss", "tokens_per_s", "aux_loss", "phase")
 
@@ -155,3 +158,86 @@ def collective_bytes(hlo_text: str) -> dict:
             n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
             op["bytes"] += n * _BITS.get(dtype, 32) // 8
     return out
+
+
+# ---- quantization diagnostics ----------------------------------------------------------------------------------------
+def diagnostic_rows(stats: dict, step: int | None = None, **extra) -> list[dict]:
+    """CSV rows of {layer: float[..., 6, 6]} (`jax_fp4.flax.diagnostics.value_and_grad`'s statistics: rows
+    `OPERANDS`, columns `STATS`): one row per (layer, operand) with the `STATS` columns after step, `extra` and
+    layer / operand; a stacked layer (leading axes, e.g. scanned blocks [L, 6, 6]) gives one layer per index, named
+    "path[i]"."""
+    out = []
+    for layer, s in stats.items():
+        s = np.asarray(s, np.float64)
+        for idx in np.ndindex(*s.shape[:-2]):
+            name = layer + "".join(f"[{i}]" for i in idx)
+            for j, op in enumerate(OPERANDS):
+                row = {"step": step, **extra, "layer": name, "operand": op}
+                row.update({k: float(s[idx + (j, c)]) for c, k in enumerate(STATS)})
+                out.append(row)
+    return out
+
+
+def _natural(name: str):
+    """Sort key reading the digit runs of a layer path as numbers (blocks/2 before blocks/10)."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", name) if t]
+
+
+def plot_heatmap(path: Path, rows: list[dict], stat: str = "snr_db", title: str = ""):
+    """A layer x operand heatmap PNG of one statistic (the last row of each (layer, operand); unquantized operands,
+    SNR +inf, left blank and labelled), with the values written in the cells.
+
+    Raises:
+      ValueError: `stat` is not one of `jax_fp4.diagnostics.STATS`.
+    """
+    if stat not in STATS:
+        raise ValueError(f"plot_heatmap: stat must be one of {STATS}, got {stat!r}")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    last = {(r["layer"], r["operand"]): float(r[stat]) for r in rows}
+    layers = sorted(dict.fromkeys(k[0] for k in last), key=_natural)
+    grid = np.array([[last.get((la, op), np.nan) for op in OPERANDS] for la in layers], np.float64)
+    unquantized = np.isposinf(grid) if stat == "snr_db" else np.zeros(grid.shape, bool)
+    grid[~np.isfinite(grid)] = np.nan
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(layers) + 1.8), dpi=110)
+    im = ax.imshow(grid, aspect="auto", cmap="viridis")
+    ax.set_xticks(range(len(OPERANDS)), OPERANDS, rotation=30, ha="right")
+    ax.set_yticks(range(len(layers)), layers, fontsize=7)
+    for (i, j), v in np.ndenumerate(grid):
+        if np.isfinite(v):
+            ax.text(j, i, f"{v:.1f}" if stat == "snr_db" else f"{v:.2g}", ha="center", va="center", fontsize=6,
+                    color="w")
+        elif unquantized[i, j]:
+            ax.text(j, i, "unquantized", ha="center", va="center", fontsize=5, color="0.4")
+    fig.colorbar(im, ax=ax, label=stat)
+    ax.set_title(title or stat, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_diagnostics(out: Path, name: str, rows: list[dict]):
+    """Replace run `name`'s rows in out/diagnostics.csv (`diagnostic_rows`, with a "run" column) and draw
+    out/diagnostics_<name>.png (SNR per layer and operand at the last recorded step of the first phase, i.e. before a
+    precision switch) and out/diagnostics_<name>_saturated.png; copy the SNR map to out/diagnostics.png."""
+    if not rows:
+        return
+    path = out / "diagnostics.csv"
+    old = []
+    if path.is_file():
+        with path.open(newline="") as f:
+            old = [r for r in csv.DictReader(f) if r.get("run") != name]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in old + rows for k in r)))  # missing: ""
+        w.writeheader()
+        w.writerows(old + rows)
+    first = min(int(r.get("phase") or 0) for r in rows)
+    last = max(int(r["step"]) for r in rows if int(r.get("phase") or 0) == first)
+    final = [r for r in rows if int(r["step"]) == last]
+    plot_heatmap(out / f"diagnostics_{name}.png", final, "snr_db", f"{name}: quantization SNR (dB), step {last}")
+    plot_heatmap(out / f"diagnostics_{name}_saturated.png", final, "saturated",
+                 f"{name}: fraction of values saturated, step {last}")
+    (out / "diagnostics.png").write_bytes((out / f"diagnostics_{name}.png").read_bytes())

@@ -93,7 +93,6 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     of the first phase's compiled step."""
     from tqdm.auto import tqdm
 
-    from jax_fp4 import diagnostics as qdiag
     from jax_fp4 import policy as qpolicy
 
     wall = time.perf_counter()
@@ -175,7 +174,7 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
             interval, td = 0, time.perf_counter()
         if diag:
             state, losses, stats = ph.diag_steps[phase](state, batch)
-            drows += qdiag.rows(jax.device_get(stats), step=step + 1, run=run, phase=phase)
+            drows += lm_report.diagnostic_rows(jax.device_get(stats), step=step + 1, run=run, phase=phase)
         else:
             state, losses = ph.steps[phase](state, batch)
         pending.append(losses)
@@ -298,7 +297,7 @@ def main(argv=None) -> dict:
             except UnmatchedRuleError as e:
                 make_parser().error(str(e))
             rows += r
-            lm_precision.write_diagnostics(args.out, run, drows)
+            lm_report.write_diagnostics(args.out, run, drows)
     runs = list(summaries)
     all_rows = lm_report.write_curves(args.out, rows, set(runs))
     path = args.out / "summary.json"
