@@ -181,6 +181,9 @@ def test_resume_equals_uninterrupted(tmp_path, capsys):
                         "tensor axis (4)"),
     (["--mesh", "1x4x1", "--batch", "16"], "d_model 64 does not split over the fsdp axis (4) into multiples of 32"),
     (["--mesh", "2x2"], "--mesh 2x1x2 needs data x fsdp x tensor = 4 devices; there are 1"),  # one CPU here
+    (["--fsdp-reduce", "output"], "--fsdp-reduce needs a --mesh DATAxFSDPxTENSOR with fsdp > 1"),
+    (["--mesh", "2x1x1", "--fsdp-reduce", "float32"], "--fsdp-reduce needs a --mesh DATAxFSDPxTENSOR with fsdp > 1"),
+    (["--mesh", "1x2x1", "--fsdp-reduce", "bf16"], "--fsdp-reduce: invalid choice: 'bf16'"),
     (["--vocab", "1000"], "--vocab needs --tokenizer bpe"),
     (["--arch", "llama", "--kv-heads", "3"], "kv_heads 3 must divide n_heads 2"),
     (["--arch", "llama", "--mlp-hidden", "192"], "the MLP width 192 must be a multiple of 64 (llama: 128"),
@@ -211,6 +214,24 @@ def test_mesh_flag():
     model = lm_model.ModelConfig(d_model=64, n_layers=1, n_heads=2, seq=64)
     assert lm_mesh.mesh_problems(model, 8, 2, 1, 2) == [] and lm_mesh.mesh_problems(model, 8, 1, 2, 1) == []
     assert lm_mesh.mesh_notes(model, recipes.NVFP4_1x64(), 2) and not lm_mesh.mesh_notes(model, recipes.MXFP8(), 2)
+    assert cfg.fsdp_reduce == "float32" and "fsdp_reduce" not in cfg.resume_key()
+
+
+def test_fsdp_layer_recipe():
+    """On a mesh with fsdp > 1 a quantized recipe becomes jax_fp4.distributed.shard_recipe(recipe, fsdp_axes="fsdp",
+    reduce_dtype=...) with the same operand formats; bf16, None, one device and fsdp 1 keep the recipe."""
+    from jax_fp4.distributed import ShardedRecipe
+
+    fsdp, dp = (jax.sharding.AbstractMesh(s, lm_mesh.AXES) for s in ((1, 2, 1), (2, 1, 2)))
+    for r in (recipes.NVFP4(), recipes.MXFP8(), recipes.NVFP4Fwd_MXFP8Bwd()):
+        for red in ("float32", "output"):
+            s = lm_mesh.layer_recipe(r, fsdp, red)
+            assert isinstance(s, ShardedRecipe) and (s.fsdp_axes, s.reduce_dtype) == (("fsdp",), red)
+            assert s.formats() == r.formats() and s.name == r.name
+        assert lm_mesh.layer_recipe(r, dp) is r and lm_mesh.layer_recipe(r, None) is r
+    assert lm_mesh.layer_recipe(recipes.BF16(), fsdp) == recipes.BF16() and lm_mesh.layer_recipe(None, fsdp) is None
+    with pytest.raises(ValueError, match="reduce_dtype must be one of"):
+        lm_mesh.layer_recipe(recipes.MXFP8(), fsdp, "bfloat16")
 
 
 def test_resume_without_checkpoint(tmp_path, capsys):

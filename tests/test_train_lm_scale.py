@@ -8,10 +8,11 @@ tokenizer and resuming on another mesh.
 * remat "quantized" saves the quantized GEMM residuals (their checkpoint names) and bf16 layers' inputs, and every
   remat choice gives the gradients of "none";
 * the BPE tokenizer trains deterministically (same tokenizer.json and ids twice), round-trips text and is cached;
-* on 4 forced CPU devices (a subprocess): an mxfp8 run on an fsdp mesh (1x4x1: parameters and AdamW moments split
-  over "fsdp") stopped at step 2 and resumed on 2x1x2 (data x tensor) follows an uninterrupted one-device run (the
-  first loss within the float32 summation bound, the rest within the bf16 layers' rounding); its --collectives
-  record shows the weight all-gathers and the reductions.
+* on 4 forced CPU devices (a subprocess): an mxfp8 run on an fsdp mesh (1x4x1: parameters and AdamW moments split over
+  "fsdp", every quantized layer's recipe a `jax_fp4.distributed.shard_recipe` over "fsdp") stopped at step 2 and
+  resumed on 2x1x2 (data x tensor) follows an uninterrupted one-device run (the first loss within the float32
+  summation bound, the rest within the bf16 layers' rounding); its --collectives record shows the weight all-gathers
+  and the reductions.
 """
 
 from __future__ import annotations
@@ -223,6 +224,13 @@ _, state, _ = lm_model.build(cfg.model, recipes.MXFP8(), lm_model.OptConfig(), 0
 specs = {jax.tree_util.keystr(k): str(v.sharding.spec) for k, v in jax.tree_util.tree_flatten_with_path(state)[0]
          if "kernel" in jax.tree_util.keystr(k)}
 print("SPECS " + json.dumps(specs))
+# the quantized layers gather their weights' codes and scales over fsdp (jax_fp4.distributed.shard_recipe)
+from flax import nnx
+from jax_fp4.flax import policy as fpolicy
+model, _ = nnx.merge(*lm_model.build(cfg.model, recipes.MXFP8(), lm_model.OptConfig(), 0, lm_mesh.make_mesh(1, 4, 1),
+                                     "output")[:2])
+print("RECIPES " + json.dumps({p: [type(l.recipe).__name__, list(getattr(l.recipe, "fsdp_axes", ())),
+                                   getattr(l.recipe, "reduce_dtype", None)] for p, l in fpolicy.layers(model).items()}))
 train_lm.main([*flags, "--mesh", "2x1x2", "--resume", "--out", out + "/moved"])
 """
 
@@ -236,6 +244,9 @@ def test_fsdp_mesh_and_resume_across_meshes(tmp_path):
     specs = json.loads(next(ln[6:] for ln in lines if ln.startswith("SPECS ")))
     assert specs and all("fsdp" in v for v in specs.values()), specs  # parameters and both AdamW moments
     assert sum(k.startswith("[1]") for k in specs) == 2 * sum(k.startswith("[0]") for k in specs) > 0  # mu, nu
+    layer_recipes = json.loads(next(ln[8:] for ln in lines if ln.startswith("RECIPES ")))
+    assert layer_recipes and all(v == ["ShardedRecipe", ["fsdp"], "output"] for v in layer_recipes.values())
+    assert "mxfp8: the quantized layers gather their weights' codes and block scales over fsdp" in proc.stdout
     # --collectives: the fsdp weights are gathered, gradients and amaxes reduced (the compiled step's HLO)
     coll = json.loads(next(ln[5:] for ln in lines if ln.startswith("COLL ")))
     assert coll["all-gather"]["count"] > 0 and coll["all-gather"]["bytes"] > 0, coll

@@ -21,6 +21,7 @@ import lm_model
 import lm_precision
 
 from jax_fp4 import recipes
+from jax_fp4.distributed import REDUCE_DTYPES
 
 DESCRIPTION = ("Train a GPT- or Llama-style decoder whose attention projections and MLPs run through jax_fp4's "
                "quantized layers.")
@@ -68,6 +69,7 @@ class RunConfig:
     ckpt_every: int
     seed: int
     mesh: tuple[int, int, int] | None = None  # (data, fsdp, tensor); None: one device
+    fsdp_reduce: str = "float32"  # fsdp > 1: the quantized layers' reduce_dtype (jax_fp4.distributed.shard_recipe)
 
     def resume_key(self) -> dict:
         """What a checkpoint must agree on to be resumed (the rest, e.g. --steps or the mesh, may change). Fields
@@ -188,8 +190,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=_int_at_least(257), help="with --tokenizer bpe: the vocabulary size")
     p.add_argument("--mesh", type=_mesh_shape, metavar="DATAx[FSDPx]TENSOR",
                    help="shard the step over a data x fsdp x tensor device mesh, e.g. 2x1 (data parallel), 1x2x1 "
-                        "(fsdp), 1x2 (tensor "
-                        "parallel), 2x4; the product must equal the device count (default: one device)")
+                        "(fsdp), 1x2 (tensor parallel), 2x4; the product must equal the device count (default: "
+                        "one device)")
+    p.add_argument("--fsdp-reduce", choices=REDUCE_DTYPES,
+                   help="with a mesh of fsdp > 1 (the quantized layers gather their weights' codes and scales, "
+                        "jax_fp4.distributed.shard_recipe): sum the partial GEMM products of sharded contractions "
+                        "across devices in float32 (default; the unsharded bits) or in the GEMM's output dtype "
+                        "(output: bfloat16, half the bytes)")
     p.add_argument("--moe", type=_int_at_least(2), nargs="?", const=MOE_EXPERTS, metavar="E",
                    help=f"mixture-of-experts MLPs with E experts per block (default {MOE_EXPERTS} when given alone)")
     p.add_argument("--top-k", type=_int_at_least(1), help=f"with --moe: experts per token (default {MOE_TOP_K})")
@@ -245,6 +252,8 @@ def parse_args(argv=None):
         vocab=v.get("vocab", 32768) if args.tokenizer == "bpe" else lm_model.VOCAB, **moe)
     for problem in model.validate():
         parser.error(problem)
+    if args.fsdp_reduce is not None and (args.mesh is None or args.mesh[1] == 1):
+        parser.error("--fsdp-reduce needs a --mesh DATAxFSDPxTENSOR with fsdp > 1, e.g. 1x2x1")
     if args.mesh is not None:
         shape = "x".join(map(str, args.mesh))
         for problem in lm_mesh.mesh_problems(model, v["batch"], *args.mesh):
@@ -255,7 +264,8 @@ def parse_args(argv=None):
                          f"{len(devices)} ({devices[0].platform}): the product must equal the device count")
     cfg = RunConfig(model=model, batch=v["batch"], steps=v["steps"], lr=v["lr"], warmup=v["warmup"],
                     eval_every=v["eval_every"], eval_batches=v["eval_batches"], log_every=v["log_every"],
-                    ckpt_every=v["ckpt_every"], seed=args.seed, mesh=args.mesh)
+                    ckpt_every=v["ckpt_every"], seed=args.seed, mesh=args.mesh,
+                    fsdp_reduce=args.fsdp_reduce or "float32")
     args.out = args.out if args.out is not None else Path("runs") / args.preset
     names = (["bf16"] + sorted(n for n in recipes.RECIPES if n != "bf16") if args.compare else
              args.recipes if args.recipes else [args.recipe])

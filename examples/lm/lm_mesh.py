@@ -4,10 +4,12 @@
   * "fsdp": the batch is split over it too, and every matrix (GEMM kernels, embedding, logits head) is split over it
     along the axis tensor parallelism leaves whole (ZeRO-3 / FSDP: each device keeps 1/fsdp of the parameters and of
     the AdamW moments, `nnx.Optimizer` inheriting the parameters' annotations). XLA's SPMD partitioner gathers a
-    weight where a layer uses it (unquantized: every device then quantizes the whole weight), and reduces its
-    gradient as it chooses (all-reduce on the CPU; `train_lm --collectives` lists what a compiled step does).
-    `param_axes` is the one place that decides the layout, so a library FSDP API (e.g. quantized weight gathers)
-    plugs in there.
+    bfloat16 weight where a bfloat16 layer uses it (embedding, logits head, layers a policy keeps in bf16). A
+    quantized layer's recipe becomes `jax_fp4.distributed.shard_recipe(recipe, fsdp_axes="fsdp", reduce_dtype=...)`
+    (`layer_recipe`): each device quantizes its own slice of the weight and the codes and block scales are
+    all-gathered, not the weight; reduce_dtype (train_lm --fsdp-reduce) "float32" sums the partial GEMM products
+    across shards in float32 (bit-exact), "output" in the GEMM's output dtype (bfloat16: half the bytes). XLA reduces
+    the gradients of the rest as it chooses (`train_lm --collectives` lists what a compiled step does).
   * "tensor": Megatron tensor parallelism (column-split qkv / MLP-up, row-split attention output / MLP-down, heads).
 Norm scales and biases (small) are replicated over "fsdp". An axis of size 1 is left out of every annotation.
 """
@@ -17,6 +19,8 @@ from __future__ import annotations
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jax_fp4.distributed import shard_recipe
 
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"  # mesh axis names
 AXES = (DATA, FSDP, TENSOR)
@@ -42,6 +46,20 @@ def param_axes(kind: str, mesh) -> tuple:
     fsdp = _used(mesh, FSDP)
     return {"col": (fsdp, TENSOR), "row": (TENSOR, fsdp), "embed": (fsdp, None), "head": (fsdp, None),
             "colvec": (TENSOR,)}[kind]
+
+
+def layer_recipe(recipe, mesh, reduce_dtype: str = "float32"):
+    """The recipe a quantized layer runs on `mesh`: with an "fsdp" axis of size > 1,
+    `jax_fp4.distributed.shard_recipe(recipe, fsdp_axes="fsdp", reduce_dtype=reduce_dtype)` (quantized weight
+    gathers; reduce_dtype "float32" or "output", `jax_fp4.distributed.REDUCE_DTYPES`); otherwise (no mesh, fsdp 1,
+    an unquantized recipe such as bf16, or None) `recipe` itself.
+
+    Raises:
+      ValueError: an unknown reduce_dtype (from `shard_recipe`).
+    """
+    if _used(mesh, FSDP) is None or recipe is None or not recipe.quantized:
+        return recipe
+    return shard_recipe(recipe, fsdp_axes=FSDP, reduce_dtype=reduce_dtype)
 
 
 def batch_sharding(mesh):

@@ -37,7 +37,9 @@ device, nothing annotated):
   * data parallel: the batch is sharded over "data" and "fsdp" (`lm_mesh.batch_sharding`); XLA reduces the weight
     gradients across the batch shards.
   * fsdp: every matrix split over "fsdp" along its dimension "tensor" leaves whole (`lm_mesh.param_axes`), the AdamW
-    moments alike (the optimizer state inherits the annotations).
+    moments alike (the optimizer state inherits the annotations); the quantized layers' recipes become
+    `jax_fp4.distributed.shard_recipe(recipe, fsdp_axes="fsdp", reduce_dtype=fsdp_reduce)` (`lm_mesh.layer_recipe`:
+    the weights' codes and block scales are gathered, not the weights), bf16 layers are left to XLA.
   * tensor parallel (Megatron): the qkv and MLP-up kernels [in, out] (and their biases) are split by columns over
     "tensor", the attention-output and MLP-down kernels by rows (`nnx.with_partitioning` annotations); q, k and v are
     constrained to heads split over "tensor", so attention runs per head shard and its output enters the row-split
@@ -64,7 +66,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from lm_layers import REMAT, LlamaBlock, annotate, attention, remat_policy, rope
-from lm_mesh import batch_sharding, state_shardings
+from lm_mesh import batch_sharding, layer_recipe, state_shardings
 
 from jax_fp4.flax import diagnostics as fdiag
 from jax_fp4.flax import nnx as fnnx
@@ -390,10 +392,12 @@ def make_train_step(graphdef, state=None, mesh=None, diagnostics: bool = False):
                    out_shardings=(shardings, rep, rep) if diagnostics else (shardings, rep), donate_argnums=0)
 
 
-def build(cfg: ModelConfig, recipe: Recipe, opt_cfg: OptConfig, seed: int, mesh=None):
+def build(cfg: ModelConfig, recipe: Recipe, opt_cfg: OptConfig, seed: int, mesh=None, fsdp_reduce="float32"):
     """(graphdef, state, train_step) of a fresh model and its AdamW state; with a mesh, the state is placed on it
-    (see make_train_step) and the step is the sharded one."""
+    (see make_train_step) and the step is the sharded one (fsdp > 1: `lm_mesh.layer_recipe` for every quantized
+    layer, fsdp_reduce its reduce_dtype)."""
     model = make_model(cfg, recipe, seed, mesh)
+    _shard_layers(model, mesh, fsdp_reduce)
     opt = nnx.Optimizer(model, make_optimizer(opt_cfg), wrt=nnx.Param)
     graphdef, state = nnx.split((model, opt))
     if mesh is not None:
@@ -414,14 +418,17 @@ class Phases:
     tables: list
 
 
-def build_phases(cfg: ModelConfig, recipe: Recipe, policies, opt_cfg: OptConfig, seed: int, mesh=None) -> Phases:
+def build_phases(cfg: ModelConfig, recipe: Recipe, policies, opt_cfg: OptConfig, seed: int, mesh=None,
+                 fsdp_reduce: str = "float32") -> Phases:
     """A fresh model and AdamW state trained with `recipe`, the layers' recipes set per phase by `policies` (a
     sequence of `jax_fp4.policy.Policy`, e.g. the two phases of a `jax_fp4.schedule.PrecisionSwitch`).
 
     Scanned blocks are split into the segments of `segments_for` (one recipe per layer and phase in each), so
     per-block rules keep the blocks scanned. MoE blocks' MLPs take the policy's recipe for their path through
     `expert_recipe`. A phase whose recipe needs stochastic rounding where the model's does not gets rng streams
-    seeded from seed + 2 (unscanned blocks; a scanned stack must be built with such a recipe).
+    seeded from seed + 2 (unscanned blocks; a scanned stack must be built with such a recipe). On a mesh with
+    fsdp > 1 every quantized layer runs `lm_mesh.layer_recipe` of its recipe (quantized weight gathers; fsdp_reduce:
+    the reduce_dtype, "float32" or "output").
 
     Raises:
       jax_fp4.policy.UnmatchedRuleError: a rule matches no layer.
@@ -430,11 +437,11 @@ def build_phases(cfg: ModelConfig, recipe: Recipe, policies, opt_cfg: OptConfig,
     model = make_model(cfg, recipe, seed, mesh, segments=segments_for(cfg, recipe, policies))
     rngs, stacks = nnx.Rngs(quantize=seed + 2), model.stacks_map()
     for pol in policies:  # first pass: every rng stream any phase needs exists in every phase
-        _apply_policy(pol, model, rngs, stacks)
+        _apply_policy(pol, model, rngs, stacks, mesh, fsdp_reduce)
     opt = nnx.Optimizer(model, make_optimizer(opt_cfg), wrt=nnx.Param)
     graphdefs, tables, state = [], [], None
     for pol in policies:
-        _apply_policy(pol, model, rngs, stacks)
+        _apply_policy(pol, model, rngs, stacks, mesh, fsdp_reduce)
         tables.append(_recipe_table(pol, model, stacks))
         graphdef, st = nnx.split((model, opt))
         if state is not None and jax.tree.structure(st) != jax.tree.structure(state):
@@ -474,11 +481,18 @@ def _recipe_table(policy, model, stacks) -> str:
     return format_table(rows)
 
 
-def _apply_policy(policy, model, rngs, stacks):
+def _apply_policy(policy, model, rngs, stacks, mesh=None, fsdp_reduce="float32"):
     fpolicy.apply(policy, model, rngs=rngs, stacks=stacks)
     for _, node in nnx.iter_graph(model):  # grouped quantize has no 1x64 encode: see expert_recipe
         if isinstance(node, MoEMLP) and expert_recipe(node.recipe) != node.recipe:
             node.recipe = expert_recipe(node.recipe)
+    _shard_layers(model, mesh, fsdp_reduce)
+
+
+def _shard_layers(model, mesh, fsdp_reduce):
+    """Every quantized layer's recipe as `lm_mesh.layer_recipe` gives it on `mesh` (unchanged without fsdp)."""
+    for node in fpolicy.layers(model).values():
+        node.recipe = layer_recipe(node.recipe, mesh, fsdp_reduce)
 
 
 def count_params(cfg: ModelConfig, active: bool = False) -> int:

@@ -23,8 +23,11 @@ scanned blocks, remat quantized; large-350m: the same at 0.34B.
 a (data, fsdp, tensor) mesh (examples/lm/lm_mesh.py): the batch split over data x fsdp, every matrix and its AdamW
 moments split over "fsdp", and Megatron-style tensor parallelism over "tensor" (qkv and MLP-up kernels split by
 columns, attention-output and MLP-down kernels by rows, attention by heads). The jax_fp4 quantize primitives run per
-shard with the tensor amaxes reduced across shards. Without --mesh: one device, as before. Checkpoints hold global
-arrays: a run may resume on another mesh.
+shard with the tensor amaxes reduced across shards. With fsdp > 1 every quantized layer's recipe becomes
+`jax_fp4.distributed.shard_recipe(recipe, fsdp_axes="fsdp", reduce_dtype=R)`: each device quantizes its slice of the
+weight and the codes and block scales are all-gathered (bf16 layers and recipes are left to XLA); --fsdp-reduce R:
+float32 (default: partial GEMM products summed in float32, the unsharded bits) or output (summed in bfloat16). Without
+--mesh: one device. Checkpoints hold global arrays: a run may resume on another mesh.
 
 --moe [E] (default E = 8 when the flag is given alone) replaces every block's MLP by a `jax_fp4.flax.moe.MoEMLP`: a
 bfloat16 router choosing --top-k K experts per token (default 2, dropless), each expert a GELU MLP as wide as the
@@ -101,6 +104,9 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     mesh = lm_mesh.make_mesh(*cfg.mesh) if cfg.mesh is not None else None
     for note in lm_mesh.mesh_notes(cfg.model, recipe, cfg.mesh[2]) if cfg.mesh is not None else []:
         print(f"note: {note}")
+    if lm_mesh.layer_recipe(recipe, mesh) is not recipe:
+        print(f"note: {name}: the quantized layers gather their weights' codes and block scales over fsdp "
+              f"(jax_fp4.distributed.shard_recipe, reduce_dtype {cfg.fsdp_reduce})")
     if cfg.model.moe and lm_model.expert_recipe(recipe) != recipe:
         print(f"note: {name}: the experts' token operands use 1D NVFP4 (1x16 blocks, one tensor scale per expert "
               "group): grouped quantize has no 1x64 encode")
@@ -108,7 +114,8 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     policies = (policy,) if switch is None or not recipe.quantized else switch.phases(policy)
     switch = switch if len(policies) > 1 else None
     ph = lm_model.build_phases(cfg.model, recipe, policies, lm_model.OptConfig(lr=cfg.lr, warmup=cfg.warmup,
-                                                                                 steps=cfg.steps), cfg.seed, mesh)
+                                                                                 steps=cfg.steps), cfg.seed, mesh,
+                               cfg.fsdp_reduce)
     state = ph.state
     if policy.rules or switch is not None:
         for i, table in enumerate(ph.tables):
