@@ -316,16 +316,15 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<kRow, kCol>()) GroupedQuan
         // tiles [mt0, mt1) of the group, uniform over the block
         const int64_t mt0 = int64_t(mb) * kTilesPerUnit, m_tiles = CeilDiv(m, quantize::kTile);
         const int64_t mt1 = mt0 + kTilesPerUnit < m_tiles ? mt0 + kTilesPerUnit : m_tiles;
+        const quantize::TileContext ctx{0, k0, enc_row, enc_col, row_tab ? tab[0] : nullptr,
+                                        col_tab ? tab[1] : nullptr};
         if constexpr (kRow != kNvfp4 && kCol != kNvfp4) {
-          quantize::QuantizeTilesPrefetched<In, kRow, kCol, kPlain, false>(q, 0, mt0, mt1, k0);  // ends with a barrier
+          quantize::QuantizeTilesPrefetched<In, kRow, kCol, kPlain, false>(q, ctx, mt0, mt1);  // ends with a barrier
         } else if constexpr (quantize::kStagedPairing<In, kRow, kCol, false>) {
-          quantize::QuantizeTilesStaged<In, kRow, kCol, kPlain, false>(q, 0, mt0, mt1, k0, enc_row, enc_col,
-                                                                        row_tab ? tab[0] : nullptr,
-                                                                        col_tab ? tab[1] : nullptr);  // ends with a barrier
+          quantize::QuantizeTilesStaged<In, kRow, kCol, kPlain, false>(q, ctx, mt0, mt1);  // ends with a barrier
         } else {
           for (int64_t mt = mt0; mt < mt1; ++mt) {
-            quantize::QuantizeTile<In, kRow, kCol, kPlain>(q, 0, mt, k0, enc_row, enc_col, row_tab ? tab[0] : nullptr,
-                                                          col_tab ? tab[1] : nullptr);
+            quantize::QuantizeTile<In, kRow, kCol, kPlain>(q, ctx, mt);
             __syncthreads();  // the tile's shared memory is reused by the next tile / unit
           }
         }

@@ -33,17 +33,32 @@
 namespace jax_fp4 {
 namespace quantize {
 
-// One 64x64 tile (rows m0.., columns k0.. of x[p]; mt = m0 / 64). enc_row / enc_col: the NVFP4 tensor encode scales
-// (unused for 1x64 and MXFP8); tab_row / tab_col: their MultiplierTable in shared memory, or null. Every barrier
-// inside is reached by all threads of the block.
-// kGivenPos: the caller passes the row segment's flat index and whether its row exists (flat_in, row_in_given), kept
-// up to date across the tiles of a block instead of recomputed with 64-bit products per tile.
+// What the tiles of one thread block share: x[p], the 64 columns from k0, the NVFP4 tensor encode scales enc_row /
+// enc_col (unused for 1x64 and MXFP8) and their MultiplierTable in shared memory, tab_row / tab_col, or null.
+struct TileContext {
+  int64_t p, k0;
+  float enc_row, enc_col;
+  const float* tab_row;
+  const float* tab_col;
+};
+
+// The thread's row segment of one tile as a tiles walker hands it in (QuantizeTile's kGivenPos): its element index
+// in x and in the rowwise [P, M, K] layouts and whether its row exists, kept up to date across the tiles of a block
+// instead of recomputed with 64-bit products per tile; when use_pre, *pre holds its bytes, prefetched by the walker
+// (only ever for a whole vector segment).
+template <typename In>
+struct GivenSegment {
+  bool use_pre;
+  const RawSegment<In>* pre;
+  int64_t flat;
+  bool row_in;
+};
+
+// One 64x64 tile of x[ctx.p] (rows m0.., columns ctx.k0..; mt = m0 / 64). Every barrier inside is reached by all
+// threads of the block. kGivenPos: the caller passes the row segment's position (and maybe its bytes) in `given`.
 template <typename In, int kRow, int kCol, bool kPlain, bool kExact = false, bool kGivenPos = false>
-__device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t mt, int64_t k0, float enc_row,
-                                             float enc_col, const float* tab_row = nullptr,
-                                             const float* tab_col = nullptr, bool use_pre = false,
-                                             const RawSegment<In>& pre = RawSegment<In>{}, int64_t flat_in = 0,
-                                             bool row_in_given = false) {
+__device__ __forceinline__ void QuantizeTile(const Args& a, const TileContext& ctx, int64_t mt,
+                                             const GivenSegment<In>& given = GivenSegment<In>{}) {
   constexpr bool kNeedTile = kCol != kNone;
   constexpr bool kMxCol = kCol == kMxfp8E4m3 || kCol == kMxfp8E5m2;
   __shared__ float4 tile[kNeedTile ? kTile : 1][TileRowChunks<kCol, kPlain>()];  // see kPadded
@@ -53,19 +68,19 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
 
   const bool row_exact = kExact && a.row_exact, col_exact = kExact && a.col_exact;  // compiled out unless kExact
   const int t = threadIdx.x;
-  const int64_t m0 = mt * kTile;
+  const int64_t p = ctx.p, k0 = ctx.k0, m0 = mt * kTile;
   const int64_t M = a.M, K = a.K;
 
   // ---- load: row segment of thread t ----
   const int lr = t >> 2, cg = t & 3;
   const int64_t m = m0 + lr, k = k0 + cg * 16;
   // the segment's element index in x and in the rowwise [P, M, K] layouts
-  const int64_t flat = kGivenPos ? flat_in : (p * M + m) * K + k;
-  const bool row_in = kGivenPos ? row_in_given : m < M && k < K;
+  const int64_t flat = kGivenPos ? given.flat : (p * M + m) * K + k;
+  const bool row_in = kGivenPos ? given.row_in : m < M && k < K;
   const int valid = row_in ? int(K - k < 16 ? K - k : 16) : 0;
   float v[16];
-  if (use_pre) {  // prefetched by the caller (only ever for a whole vector segment)
-    Widen16<In>(pre, v);
+  if (kGivenPos && given.use_pre) {  // kGivenPos first: folded early, else the tile loop's schedule shifts
+    Widen16<In>(*given.pre, v);
   } else {
     Load16<In>(static_cast<const In*>(a.x) + flat, valid, a.vector_loads, v);
   }
@@ -83,7 +98,7 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
 
   // ---- rowwise (v is already staged in shared memory for the columnwise pass) ----
   if constexpr (kRow == kNvfp4) {
-    RowNvfp4(a, kPlain ? 0 : a.row_opts, v, sh, lr, cg, row_in, p, m, k, flat, enc_row, tab_row, row_exact);
+    RowNvfp4(a, kPlain ? 0 : a.row_opts, v, sh, lr, cg, row_in, p, m, k, flat, ctx.enc_row, ctx.tab_row, row_exact);
   } else if constexpr (kRow != kNone) {
     RowMxfp8<kRow>(a, v, cg, row_in, p, m, k, flat, row_exact);
   }
@@ -109,7 +124,7 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
     if (ColNeedsExchange<kCol>(a, opts)) __syncthreads();
     ColDbias(a, sh, lc, rb, p, mt, kc);
     if constexpr (kCol == kNvfp4) {
-      ColNvfp4(a, opts, c, sh, lc, rb, col_in, p, kc, mc, enc_col, tab_col, col_exact, seg_amax);
+      ColNvfp4(a, opts, c, sh, lc, rb, col_in, p, kc, mc, ctx.enc_col, ctx.tab_col, col_exact, seg_amax);
     } else if constexpr (kRow == kNone) {  // columnwise only: the column threads store their bytes (one barrier less)
       const uint32_t e = ColMxfp8Scale<kCol>(a, sh, lc, rb, col_in, p, kc, mc);
       if (col_in) {
@@ -183,11 +198,12 @@ __device__ __forceinline__ void QuantizeTile(const Args& a, int64_t p, int64_t m
 // held segment pushed them from 62 to 117 registers. The thread's segment of tile mt starts at element
 // flat = (p * M + 64 mt + lr) * K + k of x (and of the rowwise outputs); it and the rows left below it advance by one
 // tile per step instead of being recomputed. mt0 / mt1 are uniform over the block (every barrier is reached by all
-// threads); shared by QuantizeKernel and the grouped kernel.
+// threads); shared by QuantizeKernel and the grouped kernel. ctx's encode scales and tables go unused (no NVFP4 side).
 template <typename In, int kRow, int kCol, bool kPlain, bool kExact>
-__device__ __forceinline__ void QuantizeTilesPrefetched(const Args& a, int64_t p, int64_t mt0, int64_t mt1,
-                                                        int64_t k0) {
+__device__ __forceinline__ void QuantizeTilesPrefetched(const Args& a, const TileContext& ctx, int64_t mt0,
+                                                        int64_t mt1) {
   const In* x = static_cast<const In*>(a.x);
+  const int64_t p = ctx.p, k0 = ctx.k0;
   const int lr = int(threadIdx.x >> 2);
   const int64_t k = k0 + (threadIdx.x & 3) * 16, tile_elems = int64_t(kTile) * a.K;
   const bool k_ok = a.vector_loads && k + 16 <= a.K, k_in = k < a.K;
@@ -202,8 +218,7 @@ __device__ __forceinline__ void QuantizeTilesPrefetched(const Args& a, int64_t p
       have = k_ok && rows_left > kTile;  // the next tile's row of this thread exists
       if (have) LoadRaw<In>(x + flat + tile_elems, next);
     }
-    QuantizeTile<In, kRow, kCol, kPlain, kExact, true>(a, p, mt, k0, 1.0f, 1.0f, nullptr, nullptr, cur_ok, cur, flat,
-                                                       k_in && rows_left > 0);
+    QuantizeTile<In, kRow, kCol, kPlain, kExact, true>(a, ctx, mt, {cur_ok, &cur, flat, k_in && rows_left > 0});
     flat += tile_elems;
     rows_left -= kTile;
     __syncthreads();  // shared memory is reused by the next tile
@@ -226,12 +241,11 @@ __device__ __forceinline__ void CopyAsyncWaitAll() { asm volatile("cp.async.wait
 // One barrier a tile (before its stage is read) also separates the previous tile's shared-memory reads from this
 // tile's writes.
 template <typename In, int kRow, int kCol, bool kPlain, bool kExact>
-__device__ __forceinline__ void QuantizeTilesStaged(const Args& a, int64_t p, int64_t mt0, int64_t mt1, int64_t k0,
-                                                    float enc_row, float enc_col, const float* tab_row,
-                                                    const float* tab_col) {
+__device__ __forceinline__ void QuantizeTilesStaged(const Args& a, const TileContext& ctx, int64_t mt0, int64_t mt1) {
   static_assert(sizeof(In) == 2, "a 64-column tile row of 16-bit input is 8 chunks");
   __shared__ uint4 stage[2][kTile][8];
   const In* x = static_cast<const In*>(a.x);
+  const int64_t p = ctx.p, k0 = ctx.k0;
   const int t = int(threadIdx.x), lr = t >> 2, cg = t & 3;
   const int64_t K = a.K, tile_elems = int64_t(kTile) * K;
   // chunks t and t + 256: rows cr and cr + 32, 16-byte column cc
@@ -263,8 +277,7 @@ __device__ __forceinline__ void QuantizeTilesStaged(const Args& a, int64_t p, in
       rows_left -= kTile;
       issue(buf ^ 1);
     }
-    QuantizeTile<In, kRow, kCol, kPlain, kExact, true>(a, p, mt, k0, enc_row, enc_col, tab_row, tab_col, cur_ok, cur,
-                                                       flat, k_in && seg_rows_left > 0);
+    QuantizeTile<In, kRow, kCol, kPlain, kExact, true>(a, ctx, mt, {cur_ok, &cur, flat, k_in && seg_rows_left > 0});
     flat += tile_elems;
     seg_rows_left -= kTile;
   }
@@ -308,15 +321,17 @@ __global__ void __launch_bounds__(kThreads, QuantizeMinBlocks<In, kRow, kCol, kP
   }
   const int64_t mt0 = int64_t(blockIdx.y) * a.tiles_per_cta;
   const int64_t mt1 = mt0 + a.tiles_per_cta < m_tiles ? mt0 + a.tiles_per_cta : m_tiles;
+  const TileContext ctx{p, k0, enc_row, enc_col, row_tab ? tab[0] : nullptr, col_tab ? tab[1] : nullptr};
   if constexpr (kRow != kNvfp4 && kCol != kNvfp4) {
-    QuantizeTilesPrefetched<In, kRow, kCol, kPlain, kExact>(a, p, mt0, mt1, k0);
+    QuantizeTilesPrefetched<In, kRow, kCol, kPlain, kExact>(a, ctx, mt0, mt1);
   } else if constexpr (kStagedPairing<In, kRow, kCol, kExact>) {
-    QuantizeTilesStaged<In, kRow, kCol, kPlain, kExact>(a, p, mt0, mt1, k0, enc_row, enc_col,
-                                                        row_tab ? tab[0] : nullptr, col_tab ? tab[1] : nullptr);
+    QuantizeTilesStaged<In, kRow, kCol, kPlain, kExact>(a, ctx, mt0, mt1);
   } else {
+    // The context is built per tile: built once before the loop (ctx), the NVFP4 row+col kernels with options were
+    // register-allocated differently (same instructions, other registers).
     for (int64_t mt = mt0; mt < mt1; ++mt) {  // uniform trip count: the barriers below are reached by all threads
-      QuantizeTile<In, kRow, kCol, kPlain, kExact>(a, p, mt, k0, enc_row, enc_col, row_tab ? tab[0] : nullptr,
-                                                   col_tab ? tab[1] : nullptr);
+      QuantizeTile<In, kRow, kCol, kPlain, kExact>(
+          a, TileContext{p, k0, enc_row, enc_col, row_tab ? tab[0] : nullptr, col_tab ? tab[1] : nullptr}, mt);
       __syncthreads();  // shared memory is reused by the next tile
     }
   }
