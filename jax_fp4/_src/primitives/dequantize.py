@@ -184,7 +184,8 @@ def _cuda_lowering(ctx, data, scale, amax, window_amax, **params):
     if math.prod(ctx.avals_in[0].shape) >= 2**40:  # beyond the kernel's 2^31-block grid
         return _reference_lowering(ctx, data, scale, amax, window_amax, **params)
     fmt = params["fmt"]
-    f = flags(fmt, params["scale_layout"], params["mx_columnwise"], params["transpose_out"], params["inverse_rht"])
+    f = flags(fmt, params["scale_layout"], params["mx_columnwise"], params["transpose_out"],
+              params.get("inverse_rht", True))  # a bind without it (the default) applies the inverse RHT
     return jax.ffi.ffi_lowering("jf4_dequantize")(ctx, data, scale, amax, window_amax, kind=np.int32(kind(fmt)),
                                                   flags=np.int32(f))
 
