@@ -23,7 +23,7 @@ class MLP(nnx.Module):
     """Your model: any NNX module whose layers take a `dot_general` (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)."""
 
     def __init__(self, sizes, rngs: nnx.Rngs):
-        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])])
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:], strict=True)])
 
     def __call__(self, x):
         for layer in self.layers[:-1]:
@@ -49,8 +49,8 @@ def stats_table(model, assignments, x) -> str:
     for i, layer in enumerate(model.layers):  # walk the model's forward pass, layer by layer
         recipe = assignments[f"layers/{i}"]
         if recipe is not None and recipe.quantized:
-            s = diagnostics.dense_stats(x, layer.kernel.value, recipe=recipe)
-            for j, op in enumerate(("fprop_x", "fprop_w")):
+            s = diagnostics.dense_stats(x, layer.kernel[...], recipe=recipe)
+            for op in ("fprop_x", "fprop_w"):
                 vals = " ".join(f"{float(v):15.4g}" for v in s[diagnostics.OPERANDS.index(op)])
                 lines.append(f"layers/{i:<3d} {recipe.name:22s} {op:8s} {vals}")
         x = layer(x) if i == len(model.layers) - 1 else nnx.gelu(layer(x))

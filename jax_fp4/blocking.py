@@ -90,7 +90,7 @@ def unblocked(recipe: Recipe, M: int, K: int, N: int, *, differentiated: bool) -
     recipe = resolve(recipe, "blocking.unblocked")
     sizes = {"M": M, "K": K, "N": N}
     bad = []
-    for role, (field, tensor, block_dim, other_dim) in ROLES.items():
+    for role, (field, _tensor, block_dim, other_dim) in ROLES.items():
         if not differentiated and role not in _FPROP:
             continue
         fmt = getattr(recipe, field)

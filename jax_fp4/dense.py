@@ -38,8 +38,8 @@ from jax_fp4.gemm import (
 )
 from jax_fp4.quantize import quantize_rowwise_columnwise
 from jax_fp4.recipes import Recipe, resolve
-from jax_fp4.validation import check_key
 from jax_fp4.route import recipe_routes
+from jax_fp4.validation import check_key
 
 __all__ = ["dense", "dot_general", "RESIDUAL_NAMES", "IMPLEMENTATIONS", "gemm_routes"]
 
@@ -193,8 +193,8 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, implementation: str
         call is differentiated with a recipe that rounds a gradient operand stochastically (e.g. `recipes.NVFP4()`);
         a forward-only call of such a recipe needs none.
       implementation: "auto" (each GEMM on the route `jax_fp4.route.gemm_route` names: the `jf4_gemm` kernel on
-        compute capability 9.x for NVFP4 1x64 pairs, else native or emulated), "emulated" (every quantized GEMM emulated, e.g. to compare
-        routes) or "kernel" (ValueError where no `jf4_gemm` kernel runs); see `gemm_routes`.
+        compute capability 9.x for NVFP4 1x64 pairs, else native or emulated), "emulated" (every quantized GEMM
+        emulated, e.g. to compare routes) or "kernel" (ValueError where no `jf4_gemm` kernel runs); see `gemm_routes`.
 
     Forward-only calls (no VJP taken: inference, `jax.jit` without `grad`) quantize only the fprop operands (x
     rowwise, w along K), so they carry no wgrad / dgrad shape constraint (e.g. MXFP8's M % 32 of the columnwise x)

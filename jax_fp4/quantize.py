@@ -18,8 +18,8 @@ from jax_fp4._src.primitives.amax import tensor_amax
 from jax_fp4._src.primitives.dequantize import dequantize_array
 from jax_fp4._src.primitives.quantize import quantize_3d
 from jax_fp4._src.primitives.rht_amax import rht_amax
-from jax_fp4._src.primitives.swizzle import swizzle as _swizzle
 from jax_fp4._src.primitives.swizzle import compact_scales
+from jax_fp4._src.primitives.swizzle import swizzle as _swizzle
 from jax_fp4.formats import Format
 from jax_fp4.quantized_array import SCALE_LAYOUTS, ExactOperand, QuantizedArray
 from jax_fp4.reference import layout

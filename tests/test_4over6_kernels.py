@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from _quantize_util import dtype_id, random_input
-from test_quantize_kernels import KEY, _calls_for, gpu_vs_cpu
+from test_quantize_kernels import _calls_for, gpu_vs_cpu
 
 import jax_fp4
 from jax_fp4 import MXFP8, NVFP4

@@ -100,7 +100,8 @@ SCRIPT = textwrap.dedent(
              "fsdp x tensor": ((2, 2), [P("fsdp", "tensor"), P("tensor", "fsdp")])}
     for rname, layout, red in (("nvfp4-fwd-mxfp8-bwd", "rows", "float32"), ("nvfp4", "columns", "float32"),
                                ("nvfp4-fwd-mxfp8-bwd", "fsdp x tensor", "float32"),
-                               ("nvfp4", "fsdp x tensor", "float32"), ("nvfp4-fwd-mxfp8-bwd", "fsdp x tensor", "output")):
+                               ("nvfp4", "fsdp x tensor", "float32"),
+                               ("nvfp4-fwd-mxfp8-bwd", "fsdp x tensor", "output")):
         shape, wspecs = CASES[layout]
         mesh = Mesh(np.array(jax.devices()[:4]).reshape(shape), ("fsdp", "tensor")[:len(shape)])
         r = distributed.shard_recipe(recipes.by_name(rname), fsdp_axes="fsdp", reduce_dtype=red)

@@ -43,8 +43,9 @@ ORIENTATIONS = {
     "wgrad x.dy": (("x", 0), ("dy", 0), (((0,), (0,)), ((), ())), M),
 }
 MX4, MX5 = MXFP8(), MXFP8(element="e5m2")
-# Every format pairing the native route takes (jax_fp4.route.native_formats_ok): MXFP8 x MXFP8 with either element type on either
-# side, NVFP4 1D x NVFP4 1D (stochastic rounding changes only the quantization, not the operands' layout).
+# Every format pairing the native route takes (jax_fp4.route.native_formats_ok): MXFP8 x MXFP8 with either element
+# type on either side, NVFP4 1D x NVFP4 1D (stochastic rounding changes only the quantization, not the operands'
+# layout).
 NATIVE_PAIRS = {
     "mxfp8 e4m3 x e4m3": (MX4, MX4),
     "mxfp8 e5m2 x e4m3": (MX5, MX4),

@@ -13,8 +13,8 @@ from flax import nnx
 
 import jax_fp4
 from jax_fp4 import recipes
-from jax_fp4.flax import make_dot_general
 from jax_fp4.flax import linen as flinen
+from jax_fp4.flax import make_dot_general
 from jax_fp4.flax import nnx as fnnx
 from jax_fp4.flax.dot_general import StreamDotGeneral
 from jax_fp4.flax.nnx_layers import differentiated

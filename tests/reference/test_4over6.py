@@ -177,7 +177,8 @@ def test_options_and_recipes():
         jax_fp4.NVFP4(use_4over6=True, e4m3_max=300)
     with pytest.raises(ValueError, match="err_mode_4over6"):
         jax_fp4.NVFP4(use_4over6=True, err_mode_4over6="max")
-    for name in ("nvfp4-4over6", "nvfp4-fwd-mxfp8-bwd-4over6", "nvfp4-no-rht-4over6", "nvfp4-fwd-mxfp8-bwd-hybrid-4over6"):
+    for name in ("nvfp4-4over6", "nvfp4-fwd-mxfp8-bwd-4over6", "nvfp4-no-rht-4over6",
+                 "nvfp4-fwd-mxfp8-bwd-hybrid-4over6"):
         r = recipes.by_name(name)
         assert r.name == name and recipes.by_name(r.name) == r
         assert r.fprop_x.use_4over6 and r.fprop_w.use_4over6

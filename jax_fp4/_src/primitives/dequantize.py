@@ -9,8 +9,8 @@ Operands (`dequantize_array` views a QuantizedArray as [P, R, C]):
     [rows, cols] = [P*R, C/bs] (MXFP8 columnwise: [P*C, R/32], rows ordered (p, c)).
   amax: float32 [1] or [P] (NVFP4 1D/2D/RHT: the tensor amax, one per p once vmap folded a batch into P);
     float32 [0] for formats without a tensor scale. NVFP4 1D/2D/RHT with float32 [0]: block scales only, i.e.
-    value(q) * s_b (then the inverse RHT if fmt.rht and inverse_rht) -- exact in bfloat16, the operand of the GEMM emulation, which
-    applies the tensor scale after the product (`jax_fp4.gemm.exact_operand`).
+    value(q) * s_b (then the inverse RHT if fmt.rht and inverse_rht) -- exact in bfloat16, the operand of the GEMM
+    emulation, which applies the tensor scale after the product (`jax_fp4.gemm.exact_operand`).
   window_amax: float32 [P, R, C/64] (NVFP4 1x64), else float32 [0].
 Static parameters: fmt, out_dtype (float32 / bfloat16 / float16), scale_layout ("compact" / "swizzled"),
   mx_columnwise (MXFP8 blocks along R), transpose_out (NVFP4 whose block axis is not x's last: the result is
@@ -45,8 +45,8 @@ from jax.interpreters import ad, batching, mlir
 from jax_fp4._src import ffi as _ffi
 from jax_fp4._src.ffi_codes import DequantizeFlag
 from jax_fp4._src.primitives import partitioning
-from jax_fp4._src.primitives.partitioning_base import register_lowerings
 from jax_fp4._src.primitives._common import def_impl
+from jax_fp4._src.primitives.partitioning_base import register_lowerings
 from jax_fp4._src.primitives.swizzle import padded_shape, unswizzle_p
 from jax_fp4.formats import MXFP8, NVFP4
 from jax_fp4.quantized_array import SCALE_LAYOUTS

@@ -49,9 +49,9 @@ from jax.interpreters import ad, batching, mlir
 from jax_fp4._src import ffi as _ffi
 from jax_fp4._src.ffi_codes import GemmFlag
 from jax_fp4._src.primitives import partitioning_gemm
-from jax_fp4._src.primitives.partitioning_base import register_lowerings
 from jax_fp4._src.primitives._common import def_impl
 from jax_fp4._src.primitives.dequantize import block_scaled_values, dequantize_array
+from jax_fp4._src.primitives.partitioning_base import register_lowerings
 from jax_fp4.formats import Format
 from jax_fp4.quantized_array import QuantizedArray
 from jax_fp4.reference.nvfp4 import tensor_decode_scale

@@ -72,8 +72,8 @@ from jax_fp4._src import ffi as _ffi
 from jax_fp4._src import ffi_codes
 from jax_fp4._src.ffi_codes import GroupedDequantizeFlag, QuantizeOption
 from jax_fp4._src.primitives import partitioning_grouped
-from jax_fp4._src.primitives.partitioning_base import register_lowerings
 from jax_fp4._src.primitives._common import def_impl, def_not_differentiable
+from jax_fp4._src.primitives.partitioning_base import register_lowerings
 from jax_fp4.formats import NVFP4, Format
 from jax_fp4.reference import codes
 from jax_fp4.reference import grouped as ref

@@ -59,7 +59,8 @@ from jax_fp4._src.primitives.partitioning_base import (
 )
 from jax_fp4.reference import sr
 
-__all__ = ["dequantize_specs", "lowering", "quantize_result_specs", "quantize_x_spec", "swizzle_spec"]
+__all__ = ["amax", "dequantize", "dequantize_specs", "quantize", "quantize_result_specs", "quantize_x_spec", "swizzle",
+           "swizzle_spec"]
 
 
 # ---- quantize ---------------------------------------------------------------------------------------------------

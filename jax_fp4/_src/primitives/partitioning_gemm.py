@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_fp4._src.primitives.partitioning_base import axis_names, divisible_spec, spec_of
 
-__all__ = ["lowering"]
+__all__ = ["gemm"]
 
 
 def _rows_specs(mesh, arg_shapes):

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax_fp4._src.primitives.partitioning_base import mesh_size, shard_index, spec_of, split_factors
 from jax_fp4.validation import Representation
 
-__all__ = ["grouped_dequantize_cp", "grouped_k_axis", "grouped_quantize_cp", "lowering"]
+__all__ = ["grouped_dequantize", "grouped_dequantize_cp", "grouped_k_axis", "grouped_quantize", "grouped_quantize_cp"]
 
 
 def _grouped_k_granule(params, kind):

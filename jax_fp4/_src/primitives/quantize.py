@@ -50,9 +50,9 @@ from jax_fp4._src import ffi as _ffi
 from jax_fp4._src import ffi_codes
 from jax_fp4._src.ffi_codes import QuantizeFlag
 from jax_fp4._src.primitives import partitioning
-from jax_fp4._src.primitives.partitioning_base import register_lowerings
 from jax_fp4._src.primitives._common import def_impl, def_not_differentiable
 from jax_fp4._src.primitives.dequantize import reference_dequantize
+from jax_fp4._src.primitives.partitioning_base import register_lowerings
 from jax_fp4.formats import NVFP4, Format, round_up
 from jax_fp4.quantized_array import SCALE_LAYOUTS
 from jax_fp4.reference import codes, layout, mxfp8, nvfp4

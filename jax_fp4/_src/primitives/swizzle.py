@@ -31,8 +31,8 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_fp4._src import ffi as _ffi
 from jax_fp4._src.primitives import partitioning
-from jax_fp4._src.primitives.partitioning_base import register_lowerings
 from jax_fp4._src.primitives._common import def_impl
+from jax_fp4._src.primitives.partitioning_base import register_lowerings
 from jax_fp4.formats import SCALE_TILE_COLS, SCALE_TILE_ROWS, round_up
 from jax_fp4.reference import layout
 
