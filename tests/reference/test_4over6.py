@@ -54,6 +54,11 @@ def _inputs(rng):
         x = rng.standard_normal(SHAPE) * rng.exponential(1.0, SHAPE) ** 3 * scale
         out[name] = x.astype(np.float32)
     out["bf16-grid"] = np.asarray(jnp.asarray(rng.standard_normal(SHAPE), jnp.bfloat16).astype(jnp.float32))
+    # both choices for certain (amax 6, S_enc = 6B / 6): the block / tile holding the 6 and zeros ties (map-to-6); the
+    # 16x16 tile of 4s is exact only under map-to-4 (worked out in test_hand_worked_blocks for B = 256)
+    both = np.zeros(SHAPE, np.float32)
+    both[0, 0], both[16:32, 16:32] = 6.0, 4.0
+    out["both-choices"] = both
     return out
 
 
@@ -104,7 +109,7 @@ def test_random_inputs_match_te_model(rng, c):
         picks.append(te.quantize_4over6(x, e4m3_max=c["e4m3_max"], err_mode=c["err_mode"], two_d=c["two_d"],
                                         with_pick=True)[3])
     share = np.mean(np.concatenate([p.reshape(-1) for p in picks]))
-    assert 0.05 < share < 0.95, share  # both candidates occur, so a selection stuck on one side would fail
+    assert 0 < share < 1, share  # both candidates occur, so a selection stuck on one side would fail
 
 
 @pytest.mark.parametrize("c", CONFIGS[:2], ids=_cid)
