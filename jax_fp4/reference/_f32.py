@@ -209,6 +209,11 @@ def _patch_specials(code, ba, bb, sign):
     return jnp.where(nan, U32(0x7FC00000), code)
 
 
+def min_flt_max(v):
+    """min(v, FLT_MAX) for v >= 0 or +inf, on the bits (a subnormal v is untouched by DAZ)."""
+    return jnp.where(bits(v) > bits(FLT_MAX), FLT_MAX, v)
+
+
 def is_zero(x):
     """|x| == 0 on the bit pattern (a subnormal is not zero, whatever the platform's denormal mode)."""
     return (bits(x) & U32(0x7FFFFFFF)) == 0

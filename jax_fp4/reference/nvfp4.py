@@ -42,11 +42,6 @@ def _block_amax(y, size):
     return _f32.from_bits(jnp.max(b, axis=-1, initial=0))
 
 
-def _min_flt_max(v):
-    """min(v, FLT_MAX) for v >= 0 or +inf (on the bits, so a subnormal v is untouched by DAZ)."""
-    return jnp.where(_f32.bits(v) > _f32.bits(_f32.FLT_MAX), _f32.FLT_MAX, v)
-
-
 def global_encode_scale(amax, e4m3_max: int = 448):
     """S_enc = min(6 * e4m3_max / amax, FLT_MAX) (2688 / amax, or 1536 / amax on the 4over6 bound 256); 1 where
     amax == 0 or S_enc == 0 (amax = inf). fp32.
@@ -56,7 +51,7 @@ def global_encode_scale(amax, e4m3_max: int = 448):
     (tests/test_quantize_ops.py, 3.5 s with jax 0.10.2). The barrier changes no value.
     """
     amax = jnp.asarray(amax, F32)
-    s = _min_flt_max(_f32.div(np.float32(FP4_MAX * e4m3_max), amax))
+    s = _f32.min_flt_max(_f32.div(np.float32(FP4_MAX * e4m3_max), amax))
     return lax.optimization_barrier(jnp.where(_f32.is_zero(amax) | _f32.is_zero(s), F32(1), s))
 
 
@@ -78,7 +73,7 @@ def encode_blocks(blocks, bamax, s_enc, rbytes=None):
     """
     s_enc = jnp.asarray(s_enc, F32)
     sc = _e4m3(_f32.mul(bamax, s_enc * INV_FP4_MAX))
-    e_b = _min_flt_max(_f32.recip(_f32.mul(_e4m3_value(sc), _f32.recip(s_enc))))
+    e_b = _f32.min_flt_max(_f32.recip(_f32.mul(_e4m3_value(sc), _f32.recip(s_enc))))
     v = _f32.mul(blocks, e_b[..., None])
     q = _f32.convert(v, _f32.E2M1) if rbytes is None else sr.round_e2m1(v, rbytes)
     return q, sc
@@ -136,7 +131,7 @@ def quantize_1x64(y) -> NVFP4Parts:
     """1x64 local encode of a float32 y [..., n] (n % 64 == 0): codes, scales and window amax [..., n/64]."""
     bs, w = NVFP4.block_size, NVFP4.window_size
     wamax = _block_amax(y, w)  # [..., n/64]
-    s_enc_w = _min_flt_max(_f32.div(ENC_NUMERATOR, jnp.maximum(wamax, WINDOW_FLOOR)))
+    s_enc_w = _f32.min_flt_max(_f32.div(ENC_NUMERATOR, jnp.maximum(wamax, WINDOW_FLOOR)))
     s_enc_w = jnp.where(_f32.is_zero(wamax), F32(1), s_enc_w)
     # Per 1x16 block. The barrier keeps XLA's algebraic simplifier from pushing this broadcast through the integer
     # division chains below, where jax >= 0.11 loops for minutes at compile time.
@@ -212,7 +207,7 @@ def dequantize(q_codes, scale_codes, amax, window_amax, fmt: NVFP4, inverse_rht:
     v = codes.e2m1_value(q_codes).reshape(*q_codes.shape[:-1], q_codes.shape[-1] // bs, bs)
     s_b = _e4m3_value(scale_codes)
     if fmt.local_1x64:  # a NaN window amax (a window that held a NaN, `window_nan`) decodes its window to NaN
-        s_enc_w = _min_flt_max(_f32.div(ENC_NUMERATOR, jnp.maximum(window_amax, WINDOW_FLOOR)))
+        s_enc_w = _f32.min_flt_max(_f32.div(ENC_NUMERATOR, jnp.maximum(window_amax, WINDOW_FLOOR)))
         s_enc_w = jnp.where(_f32.is_zero(window_amax), F32(1), s_enc_w)
         s_enc_w = jnp.where(jnp.isnan(window_amax), F32(jnp.nan), s_enc_w)
         s_enc_b = lax.optimization_barrier(jnp.repeat(s_enc_w, fmt.window_size // bs, axis=-1))  # see quantize_1x64

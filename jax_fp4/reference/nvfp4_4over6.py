@@ -44,7 +44,7 @@ def encode_blocks(blocks, bamax, amax, s_enc, e4m3_max: int, err_mode: str, tile
     # Both candidates at once along a leading axis of 2 (map-to-4, map-to-6): one graph, half the compile time.
     sc = jnp.stack([_e4m3(_f32.mul(base, _MAP4_EXPAND)), _e4m3(base)])
     s_b = codes.small_float_value(codes.to_dtype(sc, jnp.float8_e4m3fn))
-    e_b = _min_flt_max(_f32.recip(_f32.mul(s_b, s_dec)))
+    e_b = _f32.min_flt_max(_f32.recip(_f32.mul(s_b, s_dec)))
     q = _f32.convert(_f32.mul(blocks[None], e_b[..., None]), _f32.E2M1)
     val = _f32.div(_f32.mul(_f32.mul(codes.e2m1_value(q), s_b[..., None]), amax[None, ..., None]), denom)
     diff = _f32.add(val, _f32.neg(blocks[None]))
@@ -82,7 +82,3 @@ def _e4m3(v):
     """e4m3_rne_satfinite(min(v, 448)) of a non-negative v (TE's fminf then the satfinite cast)."""
     return _f32.convert(v, _f32.E4M3)
 
-
-def _min_flt_max(v):
-    """min(v, FLT_MAX) for v >= 0 or +inf (on the bits)."""
-    return jnp.where(_f32.bits(v) > _f32.bits(_f32.FLT_MAX), _f32.FLT_MAX, v)
