@@ -48,6 +48,13 @@ outs = [] if GEMM_ONLY else [
                                                 col_amax=jnp.asarray([1.0, 2.0, 3.0], jnp.float32)),
     jax_fp4.grouped_quantize(x[:, :128], jnp.asarray([288, 0, 32], jnp.int32), N(),
                              amax=jnp.asarray([4.0, 5.0, 6.0], jnp.float32)),
+    # 4over6 (1D and 2D, MAE and MSE, the 256 bound): single-tensor, exact and grouped (tile path) quantize
+    jax_fp4.quantize_rowwise_columnwise(x, N(use_4over6=True), N(use_4over6=True, err_mode_4over6="MSE")),
+    jax_fp4.quantize_rowwise_columnwise(x, N(use_4over6=True, scaling_2d=True), N(use_4over6=True, scaling_2d=True),
+                                        scale_layout="swizzled"),
+    jax_fp4.quantize_rowwise_columnwise(x, N(use_4over6=True), M(), exact=(True, False)),
+    jax_fp4.grouped_quantize_rowwise_columnwise(x[:, :128], jnp.asarray([288, 0, 32], jnp.int32), N(use_4over6=True),
+                                                N(use_4over6=True)),
 ]
 q_nv = jax_fp4.quantize(x, N(rht=True), axis=0, scale_layout="swizzled")  # transposed output, swizzled scales
 q_mx = jax_fp4.quantize(xf, M(), axis=0)  # columnwise, C = 40: partial segments
@@ -75,6 +82,11 @@ outs += [
     # ... and with the inverse RHT (its own transposed-tile instantiation): an empty group, partial tiles, f16
     jax_fp4.grouped_dequantize(jax_fp4.grouped_quantize(xl[:1184, :200], jnp.asarray([640, 0, 448, 96], jnp.int32),
                                                         N(rht=True), axis=0), jnp.float16),
+    # 4over6 codes decode with the 256 bound: flat, transposed and grouped
+    jax_fp4.dequantize(jax_fp4.quantize(x, N(use_4over6=True)), jnp.float32),
+    jax_fp4.dequantize(jax_fp4.quantize(xl[:2112, :528], N(use_4over6=True, scaling_2d=True), axis=0)),
+    jax_fp4.grouped_dequantize(jax_fp4.grouped_quantize(x, jnp.asarray([160, 64, 96], jnp.int32), N(use_4over6=True),
+                                                        axis=0), jnp.bfloat16),
     jax_fp4.swizzle_scales(q_mx).scale,  # [40, 3] -> [128, 4]: padding rows and columns
     jax_fp4.unswizzle_scales(q_nv).scale,
     jax_fp4.unswizzle_scales(jax_fp4.swizzle_scales(jax_fp4.quantize(x, N()))).scale,
