@@ -32,12 +32,21 @@ FORMATS = [NVFP4(), NVFP4(rht=True), NVFP4(local_1x64=True), MXFP8(), MXFP8(elem
 OUT = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 
-def _kernel_vs_reference(args, params, what):
+@functools.cache
+def _jitted(items):
+    """The jitted primitive bind and reference of one parameter set (cached: the random and the inf/nan inputs of a
+    case share their compiles)."""
+    params = dict(items)
     kernel = jax.jit(lambda *a: dequantize_p.bind(*a, **params))
+    ref = jax.jit(lambda *a: reference_dequantize(*a, **{k: v for k, v in params.items() if k != "local"}))
+    return kernel, ref
+
+
+def _kernel_vs_reference(args, params, what):
+    kernel, ref = _jitted(tuple(sorted(params.items())))
     if np.prod(args[0].shape):
         text = kernel.lower(*args).as_text()
         assert re.search(r"custom_call\s*@jf4_dequantize\b", text), "no jf4_dequantize custom call in the CPU HLO"
-    ref = jax.jit(lambda *a: reference_dequantize(*a, **{k: v for k, v in params.items() if k != "local"}))
     assert_leaf_bits(kernel(*args), ref(*args), what)
 
 

@@ -8,6 +8,8 @@ import subprocess
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every fp32 bit pattern through the encoder's host build (~85 s): full suite only
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

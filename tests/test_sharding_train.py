@@ -55,6 +55,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # multi-device training in subprocesses: full suite only
+
 pytest.importorskip("flax")
 pytest.importorskip("optax")
 

@@ -46,6 +46,8 @@ from flax import nnx  # noqa: E402
 from jax_fp4 import NVFP4 as NVFP4Format  # noqa: E402
 from jax_fp4 import recipes  # noqa: E402
 
+pytestmark = pytest.mark.slow  # example harness end to end (trains, resumes): full suite only
+
 # 1 block of d_model 64, 4 x 32 = 128 tokens per step: the smallest model the quantized GEMMs' blocks allow.
 FAST = ["--preset", "tiny", "--layers", "1", "--batch", "4", "--seq", "32", "--lr", "1e-2", "--warmup", "2",
         "--log-every", "1", "--eval-every", "1000", "--eval-batches", "1", "--no-progress"]

@@ -50,6 +50,8 @@ from jax_fp4 import recipes  # noqa: E402
 from jax_fp4.flax import policy as FP  # noqa: E402
 from jax_fp4.schedule import PrecisionSwitch  # noqa: E402
 
+pytestmark = pytest.mark.slow  # example harness end to end (switch, policies): full suite only
+
 FAST = ["--preset", "tiny", "--layers", "1", "--batch", "4", "--seq", "32", "--lr", "1e-2", "--warmup", "2",
         "--log-every", "1", "--eval-every", "1000", "--eval-batches", "1", "--no-progress"]
 NV = recipes.NVFP4Fwd_MXFP8Bwd()

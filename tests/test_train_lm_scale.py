@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # example harness end to end (fsdp meshes, remat, presets): full suite only
 pytest.importorskip("flax")
 pytest.importorskip("optax")
 pytest.importorskip("orbax.checkpoint")
@@ -227,6 +228,7 @@ print("SPECS " + json.dumps(specs))
 # the quantized layers gather their weights' codes and scales over fsdp (jax_fp4.distributed.shard_recipe)
 from flax import nnx
 from jax_fp4.flax import policy as fpolicy
+
 model, _ = nnx.merge(*lm_model.build(cfg.model, recipes.MXFP8(), lm_model.OptConfig(), 0, lm_mesh.make_mesh(1, 4, 1),
                                      "output")[:2])
 print("RECIPES " + json.dumps({p: [type(l.recipe).__name__, list(getattr(l.recipe, "fsdp_axes", ())),
