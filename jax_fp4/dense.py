@@ -59,14 +59,20 @@ def _exact_ok(fmt, wanted) -> bool:
     return wanted and fmt is not None and fmt.exact_operand_ok
 
 
-def _quantize_pair(a, row_fmt, col_fmt, key, dbias=False, exact=(False, False)):
-    """(rowwise, columnwise, dbias) of a 2-D a; an unquantized orientation is `a` itself."""
+def _quantize_pair(a, row_fmt, col_fmt, key, dbias=False, exact=(False, False), amax=None):
+    """(rowwise, columnwise, dbias) of a 2-D a; an unquantized orientation is `a` itself; amax: a's tensor amax
+    from its producer (`quantize_rowwise_columnwise`'s amax) or None."""
     if row_fmt is None and col_fmt is None:
         db = jnp.sum(a.astype(jnp.float32), axis=0) if dbias else None
         return a, a, db
     ex = (_exact_ok(row_fmt, exact[0]), _exact_ok(col_fmt, exact[1]))
-    row, col, db = quantize_rowwise_columnwise(a, row_fmt, col_fmt, key=key, dbias=dbias, exact=ex)
+    row, col, db = quantize_rowwise_columnwise(a, row_fmt, col_fmt, key=key, dbias=dbias, exact=ex, amax=amax)
     return (a if row is None else row), (a if col is None else col), db
+
+
+def _uses_x_amax(recipe) -> bool:
+    """Whether one of x's quantizations (fprop x, wgrad x) encodes with the plain tensor amax (NVFP4 without RHT)."""
+    return any(f is not None and f.has_tensor_amax and not f.rht for f in (recipe.fprop_x, recipe.wgrad_x))
 
 
 def gemm_routes(recipe: Recipe, implementation: str = "auto") -> dict:
@@ -107,7 +113,7 @@ def _window_pad(fmt, n: int) -> int:
     return -n % fmt.window_size if fmt is not None and fmt.local_1x64 else 0
 
 
-def _forward(recipe, implementation, x2, w, bias, key):
+def _forward(recipe, implementation, x2, w, bias, key, x_amax=None):
     """y alone: only the fprop operands are quantized (no wgrad x, no dgrad w, no residuals).
 
     An NVFP4 1x64 fprop operand needs its non-block axis (x's M, w's N) to be a multiple of 64; a forward-only call
@@ -122,7 +128,7 @@ def _forward(recipe, implementation, x2, w, bias, key):
         bias = None if bias is None else jnp.pad(bias, (0, pn))
     kx, kw, _ = operand_keys(key)
     ex = gemm_routes(recipe, implementation)["fprop"] == "emulated"
-    x_fprop, _, _ = _quantize_pair(x2, recipe.fprop_x, None, kx, exact=(ex, False))
+    x_fprop, _, _ = _quantize_pair(x2, recipe.fprop_x, None, kx, exact=(ex, False), amax=x_amax)
     _, w_fprop, _ = _quantize_pair(w, None, recipe.fprop_w, kw, exact=(False, ex and not fsdp_axes(recipe)))
     w_fprop = gather_quantized(w_fprop, fsdp_axes(recipe))  # FSDP: the shards' codes and scales are gathered
     y = _gemm(x_fprop, w_fprop, _FPROP, gemm_routes(recipe, implementation)["fprop"], jnp.result_type(x2, w), bias,
@@ -131,11 +137,11 @@ def _forward(recipe, implementation, x2, w, bias, key):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _dense(recipe, implementation, x2, w, bias, key):
-    return _forward(recipe, implementation, x2, w, bias, key)
+def _dense(recipe, implementation, x2, w, bias, key, x_amax):
+    return _forward(recipe, implementation, x2, w, bias, key, x_amax)
 
 
-def _dense_fwd(recipe, implementation, x2, w, bias, key):
+def _dense_fwd(recipe, implementation, x2, w, bias, key, x_amax):
     _blocking.check(recipe, x2.shape[0], x2.shape[1], w.shape[1], differentiated=True)
     kx, kw, kdy = operand_keys(key)  # (the fprop key was checked by `dense`; dY's by the backward)
     routes = gemm_routes(recipe, implementation)
@@ -147,7 +153,8 @@ def _dense_fwd(recipe, implementation, x2, w, bias, key):
         _, x_wgrad, _ = _quantize_pair(x2, None, recipe.wgrad_x, kx)
         w_dgrad, _, _ = _quantize_pair(w, recipe.dgrad_w, None, kw)
     else:
-        x_fprop, x_wgrad, _ = _quantize_pair(x2, recipe.fprop_x, recipe.wgrad_x, kx, exact=(ex, False))
+        x_fprop, x_wgrad, _ = _quantize_pair(x2, recipe.fprop_x, recipe.wgrad_x, kx, exact=(ex, False),
+                                             amax=x_amax)
         w_dgrad, w_fprop, _ = _quantize_pair(w, recipe.dgrad_w, recipe.fprop_w, kw,
                                              exact=(False, ex and not fsdp_axes(recipe)))
         # FSDP: the shards' codes and scales are gathered; the residual w_dgrad stays sharded (gathered in the bwd)
@@ -174,13 +181,13 @@ def _dense_bwd(recipe, implementation, res, dy):
                reduce_out=red)
     dw = _gemm(x_wgrad, dy_wgrad, _WGRAD, routes["wgrad"], ws.dtype, reduce_out=red)
     dbias = db.astype(bs.dtype) if has_bias else None
-    return dx, dw, dbias, None
+    return dx, dw, dbias, None, None
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
 
 
-def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, implementation: str = "auto"):
+def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, implementation: str = "auto", x_amax=None):
     """y = x @ kernel + bias with the GEMMs quantized as `recipe` says (custom VJP, see the module docstring).
 
     Args:
@@ -195,6 +202,12 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, implementation: str
       implementation: "auto" (each GEMM on the route `jax_fp4.route.gemm_route` names: the `jf4_gemm` kernel on
         compute capability 9.x for NVFP4 1x64 pairs, else native or emulated), "emulated" (every quantized GEMM
         emulated, e.g. to compare routes) or "kernel" (ValueError where no `jf4_gemm` kernel runs); see `gemm_routes`.
+      x_amax: None, or x's tensor amax from the op that produced x: ``jnp.max(jnp.abs(x))`` (a float scalar; NaN when
+        x holds a NaN), which XLA fuses into that op. The quantizations of x with a tensor scale and no RHT (NVFP4
+        fprop x; the nvfp4 recipe's RHT wgrad x keeps its own pass) use it instead of re-reading x for the tensor
+        amax and the NaN flag; results as without it, see `jax_fp4.quantize_rowwise_columnwise`'s amax.
+        `jax_fp4.flax`'s LayerNormDense and LayerNormMLP pass it from their norm and activation. Ignored where no
+        quantization of x has a tensor scale (and by the BF16 recipe).
 
     Forward-only calls (no VJP taken: inference, `jax.jit` without `grad`) quantize only the fprop operands (x
     rowwise, w along K), so they carry no wgrad / dgrad shape constraint (e.g. MXFP8's M % 32 of the columnwise x)
@@ -225,6 +238,11 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, implementation: str
     if bias is not None and jnp.shape(bias) != (kernel.shape[1],):
         raise ValueError(f"dense: bias shape {jnp.shape(bias)} != ({kernel.shape[1]},)")
     recipe.check_key(key, "dense", backward=False)  # (a non-key is refused under BF16 too)
+    if x_amax is not None and (jnp.shape(x_amax) != () or not jnp.issubdtype(jnp.result_type(x_amax), jnp.floating)):
+        raise ValueError(f"dense: x_amax must be a float scalar (jnp.max(jnp.abs(x)) of x {x.dtype}{list(x.shape)}), "
+                         f"got {jnp.result_type(x_amax)}{list(jnp.shape(x_amax))}")
+    if not _uses_x_amax(recipe):
+        x_amax = None  # (no reduction is kept alive for a recipe that does not read it)
     if not recipe.quantized:
         y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
         if bias is not None:
@@ -232,7 +250,9 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, implementation: str
         return y
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), x.shape[-1])
-    y = reverse_mode_only(_dense, "jax_fp4.dense")(recipe, implementation, x2, kernel, bias, key)
+    if x_amax is not None:  # the amax of x as the quantizer sees it: x's dtype (rounding is monotonic), float32
+        x_amax = lax.stop_gradient(jnp.asarray(x_amax).astype(x.dtype).astype(jnp.float32))
+    y = reverse_mode_only(_dense, "jax_fp4.dense")(recipe, implementation, x2, kernel, bias, key, x_amax)
     return y.reshape(*lead, kernel.shape[1])
 
 

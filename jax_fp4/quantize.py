@@ -37,15 +37,33 @@ def _check_layout(scale_layout, x, fmt):
         )
 
 
-def _amax(x, x3, fmt, orientation):
-    """float32[P]: the tensor amax an NVFP4 1D/2D/RHT orientation encodes with (zeros when unused)."""
+def _amax(x, x3, fmt, orientation, given=None):
+    """float32[P]: the tensor amax an NVFP4 1D/2D/RHT orientation encodes with (zeros when unused); `given` (a
+    finite float32 scalar from the caller, `_given_amax`) replaces the tensor-amax pass of a non-RHT orientation."""
     P = x3.shape[0]
     if fmt is None or not fmt.has_tensor_amax:
         return jnp.zeros((P,), jnp.float32)
     if P == 0:  # nothing to encode (and nothing to reduce over)
         return jnp.zeros((0,), jnp.float32)
-    a = jnp.max(rht_amax(x3, orientation)) if fmt.rht else tensor_amax(x)
+    if fmt.rht:
+        a = jnp.max(rht_amax(x3, orientation))
+    else:
+        a = tensor_amax(x) if given is None else given
     return jnp.broadcast_to(a, (P,))
+
+
+def _given_amax(amax, x, where):
+    """(finite amax, NaN flag) of a caller's `amax` = jnp.max(jnp.abs(x)): a float32 scalar (any float dtype is
+    widened exactly); NaN means x holds a NaN (the flag `_has_nan` computes otherwise), and the encode then uses 0."""
+    if amax is None:
+        return None, None
+    a = jnp.asarray(amax)
+    if a.shape != () or not jnp.issubdtype(a.dtype, jnp.floating):
+        raise ValueError(f"{where}: amax must be a float scalar (jnp.max(jnp.abs(x)) of x "
+                         f"{jnp.result_type(x)}{list(jnp.shape(x))}), got {a.dtype}{list(a.shape)}")
+    a = a.astype(jnp.float32)
+    nan = jnp.isnan(a)
+    return jnp.where(nan, jnp.float32(0), a), nan
 
 
 def _key_words(fmt, key):
@@ -63,6 +81,11 @@ def _scalar_amax(fmt, amax, nan=None):
     return a if nan is None else jnp.where(nan, jnp.float32(jnp.nan), a)
 
 
+def _has_nan_flag(*fmts):
+    """Whether a quantization of these formats carries the NaN flag (`_has_nan`): a tensor amax in one of them."""
+    return any(f is not None and f.has_tensor_amax for f in fmts)
+
+
 def _has_nan(x, *fmts):
     """bool scalar: x holds a NaN, for formats whose decode goes through a tensor amax (NVFP4 1D/2D/RHT), else None.
 
@@ -72,7 +95,7 @@ def _has_nan(x, *fmts):
     and a diverging run cannot look healthy. Cost: one extra reduction over x (an XLA fusion, not the CUDA kernels).
     ±inf needs nothing: the amax is inf and the decode scale inf.
     """
-    if not any(f is not None and f.has_tensor_amax for f in fmts) or x.size == 0:
+    if not _has_nan_flag(*fmts) or x.size == 0:
         return None
     # a float32 max (not a bool any): under sharding its cross-shard reduction is a float32 max all-reduce like
     # the amax's, which XLA combines into one collective (docs/numerics.md "Distributed training")
@@ -133,7 +156,8 @@ def quantize(x, fmt: Format, *, axis: int = -1, key=None, scale_layout: str = "c
 
 
 def quantize_rowwise_columnwise(x, row_fmt: Format | None, col_fmt: Format | None, *, key=None,
-                                scale_layout: str = "compact", dbias: bool = False, exact=(False, False)):
+                                scale_layout: str = "compact", dbias: bool = False, exact=(False, False),
+                                amax=None):
     """Rowwise and columnwise quantizations of x from one read (the GEMM operands of fprop and wgrad).
 
     x (rank >= 2) is viewed as the matrix x2 = x.reshape(M, K), M = prod(x.shape[:-1]).
@@ -151,6 +175,14 @@ def quantize_rowwise_columnwise(x, row_fmt: Format | None, col_fmt: Format | Non
         value(q) * block scale in x's / x2's shape, and the NVFP4 tensor scale) instead of a QuantizedArray: the
         emulated GEMM's operand written by the quantize pass itself, bit for bit `exact_operand` of the
         QuantizedArray it replaces, without a dequantize pass. NVFP4 1D/2D/RHT and MXFP8 only.
+      amax: None, or x's tensor amax as the caller computed it: ``jnp.max(jnp.abs(x))`` (a float scalar, widened to
+        float32; NaN when x holds a NaN), typically fused by XLA into the op that produced x. It replaces the
+        tensor-amax pass of the NVFP4 orientations without RHT and the NaN pass (`tensor_amax` and the NaN flag
+        both re-read x); RHT orientations still run their own amax pass. The results equal those without it bit for
+        bit when x holds no NaN (the maximum is exact in any order; on a platform that flushes subnormals to zero,
+        such as XLA:CPU, a tensor whose largest magnitude is subnormal reads amax 0 there). With a NaN in x the
+        carried amax is NaN as without it, so every dequantized value and GEMM product is NaN alike, but the codes
+        and block scales are encoded with amax 0 instead of the amax of the finite values.
 
     Returns:
       (row, col, dbias): row == quantize(x, row_fmt, axis=-1, key=k0) and col == quantize(x2, col_fmt, axis=0,
@@ -160,7 +192,7 @@ def quantize_rowwise_columnwise(x, row_fmt: Format | None, col_fmt: Format | Non
 
     Raises:
       ValueError as `quantize` for each orientation; both formats None; rank < 2; `exact` for a missing or 1x64
-      format.
+      format; an `amax` that is not a float scalar.
     """
     fmt0 = row_fmt if row_fmt is not None else col_fmt
     if fmt0 is None:
@@ -179,13 +211,17 @@ def quantize_rowwise_columnwise(x, row_fmt: Format | None, col_fmt: Format | Non
     if col_fmt is not None:
         check_quantize_inputs(x2, col_fmt, 0, keys[1])
     x3 = x2.reshape(1, M, K)
-    amax_r = _amax(x, x3, row_fmt, "row")
-    amax_c = amax_r if (_same_amax(row_fmt, col_fmt)) else _amax(x, x3, col_fmt, "col")
+    given, given_nan = _given_amax(amax, x, "quantize_rowwise_columnwise")
+    amax_r = _amax(x, x3, row_fmt, "row", given)
+    amax_c = amax_r if (_same_amax(row_fmt, col_fmt)) else _amax(x, x3, col_fmt, "col", given)
     o = quantize_3d(x3, amax_r, amax_c, _key_words(row_fmt, keys[0]), _key_words(col_fmt, keys[1]),
                     row_fmt=row_fmt, col_fmt=col_fmt, scale_layout=scale_layout, dbias=dbias, exact=exact)
     row = col = None
     db = jnp.sum(o["dbias"], axis=(0, 1)) if dbias else None
-    nan = _has_nan(x, row_fmt, col_fmt)
+    if given is None or x.size == 0:
+        nan = _has_nan(x, row_fmt, col_fmt)
+    else:  # the caller's amax is NaN exactly when x holds a NaN
+        nan = given_nan if _has_nan_flag(row_fmt, col_fmt) else None
     if exact[0]:
         row = ExactOperand(o["row_data"].reshape(x.shape), _tensor_scale(row_fmt, amax_r, nan))
     elif row_fmt is not None:

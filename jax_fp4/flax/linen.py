@@ -62,7 +62,9 @@ class Dense(nn.Module):
       promote_dtype: the dtype promotion function (Linen's variadic one).
       rng_collection: the rng stream of the stochastic-rounding keys (default "quantize").
 
-    Call: x [..., K] -> [..., N] in the compute dtype. Shape constraints as `jax_fp4.dense` (ValueError at trace time).
+    Call: ``module.apply(variables, x, x_amax=None)``: x [..., K] -> [..., N] in the compute dtype; ``x_amax``:
+    ``jnp.max(jnp.abs(x))`` from x's producer, as `jax_fp4.dense`'s. Shape constraints as `jax_fp4.dense` (ValueError
+    at trace time).
     """
 
     features: int
@@ -76,7 +78,7 @@ class Dense(nn.Module):
     rng_collection: str = "quantize"
 
     @nn.compact
-    def __call__(self, inputs: jax.Array) -> jax.Array:
+    def __call__(self, inputs: jax.Array, x_amax: jax.Array | None = None) -> jax.Array:
         if isinstance(self.recipe, Policy):
             recipe = self.recipe.resolve(self.path)
         else:
@@ -101,14 +103,15 @@ class Dense(nn.Module):
                 # forward-only calls need no key; a differentiated call the layer could not see as one (jax.grad
                 # around jax.jit) raises in jax_fp4.dense's backward, naming the key
         try:
-            return dense(inputs, kernel, bias, recipe=recipe, key=key)
+            return dense(inputs, kernel, bias, recipe=recipe, key=key, x_amax=x_amax)
         except BlockingError as e:  # name the layer's module path
             raise e.with_layer(linen_path(self)) from None
 
 
 class LayerNormDense(nn.Module):
     """y = Dense(LayerNorm(x)): submodules ``norm`` (nn.LayerNorm / nn.RMSNorm, unquantized, float32 statistics) and
-    ``dense``. Attributes as `Dense`, plus ``norm`` ("layernorm" | "rmsnorm") and ``epsilon`` (1e-6)."""
+    ``dense``. Attributes as `Dense`, plus ``norm`` ("layernorm" | "rmsnorm") and ``epsilon`` (1e-6). The norm's
+    output amax goes to ``dense`` as its ``x_amax`` (no separate amax pass, see `jax_fp4.flax.nnx.LayerNormDense`)."""
 
     features: int
     recipe: Recipe
@@ -126,7 +129,7 @@ class LayerNormDense(nn.Module):
         y = _norm(self.norm, self.epsilon, self.dtype, self.param_dtype)(inputs)
         return Dense(self.features, self.recipe, use_bias=self.use_bias, dtype=self.dtype,
                      param_dtype=self.param_dtype, kernel_init=self.kernel_init, bias_init=self.bias_init,
-                     rng_collection=self.rng_collection, name="dense")(y)
+                     rng_collection=self.rng_collection, name="dense")(y, jnp.max(jnp.abs(y)))
 
 
 class LayerNormMLP(nn.Module):
@@ -165,10 +168,10 @@ class LayerNormMLP(nn.Module):
                   bias_init=self.bias_init, rng_collection=self.rng_collection)
         swiglu = self.activation == "swiglu"
         h = _norm(self.norm, self.epsilon, self.dtype, self.param_dtype)(inputs)
-        h = Dense(self.hidden_features * (2 if swiglu else 1), self.recipe, name="up", **kw)(h)
+        h = Dense(self.hidden_features * (2 if swiglu else 1), self.recipe, name="up", **kw)(h, jnp.max(jnp.abs(h)))
         if swiglu:
             gate, linear = jnp.split(h, 2, axis=-1)
             h = jax.nn.silu(gate) * linear
         else:
             h = jax.nn.gelu(h)
-        return Dense(out, self.recipe, name="down", **kw)(h)
+        return Dense(out, self.recipe, name="down", **kw)(h, jnp.max(jnp.abs(h)))

@@ -67,8 +67,10 @@ class Dense(nnx.Module):
         ``recipe.needs_key`` the layer's own stream is seeded as the module docstring says (no other draw).
       kernel_metadata, bias_metadata: metadata of the `nnx.Param`s (e.g. sharding), as nnx.Linear's.
 
-    Call: ``layer(x, *, rngs=None)`` with x [..., K] -> [..., N] in the compute dtype (float32 accumulation on the
-    quantized path). ``rngs`` (Rngs, RngStream or a key) overrides the layer's stream for this call.
+    Call: ``layer(x, *, rngs=None, x_amax=None)`` with x [..., K] -> [..., N] in the compute dtype (float32
+    accumulation on the quantized path). ``rngs`` (Rngs, RngStream or a key) overrides the layer's stream for this
+    call; ``x_amax``: ``jnp.max(jnp.abs(x))`` from x's producer, as `jax_fp4.dense`'s (not used by the diagnostics
+    probe).
 
     Constraints (from the recipe's formats, raised as ValueError at trace time): MXFP8 blocks of 32 need K, N and the
     token count M = prod(x.shape[:-1]) divisible by 32 where they are blocked; NVFP4 blocks of 16 (16x16 for the
@@ -109,7 +111,7 @@ class Dense(nnx.Module):
         self.rng_collection = rng_collection
         self.rngs: nnx.RngStream | None = quantize_stream(recipe, rngs, rng_collection, "jax_fp4.flax.nnx.Dense")
 
-    def __call__(self, x: jax.Array, *, rngs: RngsLike = None) -> jax.Array:
+    def __call__(self, x: jax.Array, *, rngs: RngsLike = None, x_amax: jax.Array | None = None) -> jax.Array:
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         x, kernel, bias = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
@@ -118,9 +120,15 @@ class Dense(nnx.Module):
             if probe is not None:
                 return _diagnostics.dense(x, kernel, bias, recipe=self.recipe,
                                           key=quantize_key(self, rngs, (x, kernel, bias)), probe=probe[...])
-            return dense(x, kernel, bias, recipe=self.recipe, key=quantize_key(self, rngs, (x, kernel, bias)))
+            return dense(x, kernel, bias, recipe=self.recipe, key=quantize_key(self, rngs, (x, kernel, bias)),
+                         x_amax=x_amax)
         except BlockingError as e:  # name the layer's module path in the model
             raise e.with_layer(nnx_path(self) or type(self).__name__) from None
+
+
+def _amax(y):
+    """y's tensor amax for the next dense layer's `x_amax` (dead code, removed by XLA, where its recipe reads none)."""
+    return jnp.max(jnp.abs(y))
 
 
 class LayerNormDense(nnx.Module):
@@ -135,7 +143,8 @@ class LayerNormDense(nnx.Module):
       use_bias, dtype, param_dtype, kernel_init, bias_init, rng_collection, rngs: as `Dense` (dtype and param_dtype
         also apply to the norm).
 
-    Call: ``layer(x, *, rngs=None)``, x [..., K] -> [..., N].
+    Call: ``layer(x, *, rngs=None)``, x [..., K] -> [..., N]. The norm's output amax (``jnp.max(jnp.abs(y))``, fused
+    by XLA into the norm) goes to the dense layer as its ``x_amax``: no separate amax pass over y.
     """
 
     def __init__(self, in_features: int, out_features: int, *, recipe: Recipe, norm: str = "layernorm",
@@ -149,7 +158,8 @@ class LayerNormDense(nnx.Module):
                            rng_collection=rng_collection, rngs=rngs)
 
     def __call__(self, x: jax.Array, *, rngs: RngsLike = None) -> jax.Array:
-        return self.dense(self.norm(x), rngs=rngs)
+        y = self.norm(x)
+        return self.dense(y, rngs=rngs, x_amax=_amax(y))
 
 
 class LayerNormMLP(nnx.Module):
@@ -179,7 +189,7 @@ class LayerNormMLP(nnx.Module):
         ``down_kernel_init=nnx.with_partitioning(init, ("tensor", None))``.
 
     Call: ``layer(x, *, rngs=None)``, x [..., in] -> [..., out]; a key passed as ``rngs`` is split between up and
-    down.
+    down. The norm's and the activation's output amax go to up and down as their ``x_amax`` (see `LayerNormDense`).
     """
 
     def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None, *, recipe: Recipe,
@@ -204,10 +214,11 @@ class LayerNormMLP(nnx.Module):
 
     def __call__(self, x: jax.Array, *, rngs: RngsLike = None) -> jax.Array:
         r_up, r_down = split_rngs(rngs, 2)
-        h = self.up(self.norm(x), rngs=r_up)
+        y = self.norm(x)
+        h = self.up(y, rngs=r_up, x_amax=_amax(y))
         if self.activation == "swiglu":
             gate, linear = jnp.split(h, 2, axis=-1)
             h = jax.nn.silu(gate) * linear
         else:
             h = jax.nn.gelu(h)
-        return self.down(h, rngs=r_down)
+        return self.down(h, rngs=r_down, x_amax=_amax(h))

@@ -153,7 +153,8 @@ def reduced_product(va, vb, ta, tb, dimension_numbers, out_dtype):
     @v.def_vmap
     def _batched(axis_size, in_batched, a, b, *ts):
         # under vmap (dot_general's batch axes): XLA's float32 partial sums (`exact_product` per batch element)
-        args = [x if on else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, on in zip((a, b, *ts), in_batched, strict=True)]
+        args = [x if on else jnp.broadcast_to(x, (axis_size, *x.shape))
+                for x, on in zip((a, b, *ts), in_batched, strict=True)]
         return jax.vmap(body)(*args), True
 
     @custom_partitioning
