@@ -44,14 +44,19 @@ from jax_fp4.gemm import kernel_gemm_available, native_gemm_available
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/_common.py, also under python -P
 import _common as bench  # noqa: E402
+import traffic  # noqa: E402
 
 SHAPES = {"4096->4096": (16384, 4096, 4096), "4096->14336": (16384, 4096, 14336)}  # name: (M tokens, K, N)
+#: further shapes --shapes can name: the MLP projections at d_model 768 (32768 tokens) and 2048 (16384 tokens)
+EXTRA_SHAPES = {"768->3072": (32768, 768, 3072), "3072->768": (32768, 3072, 768), "2048->8192": (16384, 2048, 8192),
+                "8192->2048": (16384, 8192, 2048)}
 SMALL_SHAPES = {"small 512->512": (1024, 512, 512)}
 NBUF = 2  # rotated input buffer sets
 MEM_CAP_BYTES = 6 << 30  # cap on the rotated input sets (the step's outputs and temporaries come on top)
 REPEAT_BUDGET_S = 2.0
 DN = (((1,), (0,)), ((), ()))  # x[M, K] . w[K, N]
 TARGET_RECIPE, TARGET_STEP, TARGET_RESIDUAL = "nvfp4-fwd-mxfp8-bwd", 1.25, 0.6
+TARGET_FLOOR = 1.2  # each quantized step <= 1.2 x (the bf16 step + its traffic floor at copy bandwidth)
 #: step-ratio targets of the jf4_gemm route (rows whose three GEMMs run on the kernel)
 KERNEL_TARGETS = {"nvfp4-fwd-mxfp8-bwd": 1.05, "nvfp4-1x64": 1.15}
 JNN = {"jax.nn mxfp8": "mxfp8", "jax.nn nvfp4": "nvfp4"}
@@ -75,6 +80,7 @@ def _fp4_layer(r, implementation="auto"):
         return dense(x, w, b, recipe=r, key=key if r.needs_key else None, implementation=implementation)
 
     layer.routes = lambda: gemm_routes(r, implementation)
+    layer.recipe = r
     return layer
 
 
@@ -160,12 +166,14 @@ _f = functools.partial(bench.fmt, missing="n/a")
 
 def main():
     ap = bench.base_parser(__doc__, "dense", iters=10, repeats=3,
-                     shapes_help="default | small (x [1024, 512], w [512, 512]) | comma list of " + ", ".join(SHAPES))
+                     shapes_help="default | small (x [1024, 512], w [512, 512]) | comma list of "
+                     + ", ".join({**SHAPES, **EXTRA_SHAPES}))
     ap.add_argument("--recipes", default=None, help="comma list of recipe names (bf16 always runs: the baseline)")
     ap.add_argument("--implementations", default="auto",
                     help=f"comma list of jax_fp4.dense implementations to compare ({', '.join(IMPLEMENTATIONS)})")
     args = ap.parse_args()
-    shapes = bench.parse_shapes(args.shapes, SHAPES, SMALL_SHAPES, dims=None)
+    shapes = bench.parse_shapes(args.shapes, SHAPES if args.shapes == "default" else {**SHAPES, **EXTRA_SHAPES},
+                                SMALL_SHAPES, dims=None)
     impls = tuple(s.strip() for s in args.implementations.split(",") if s.strip())
     if not impls or any(i not in IMPLEMENTATIONS for i in impls):
         raise SystemExit(f"--implementations: choose from {', '.join(IMPLEMENTATIONS)}, got {args.implementations!r}")
@@ -179,6 +187,7 @@ def main():
         "method": (f"one compiled step over <= {NBUF} rotated input sets, 2 warm-up calls, best of {args.repeats} x "
                    f"<= {args.iters} calls, block_until_ready"),
         "targets": {"recipe": TARGET_RECIPE, "step_ratio_max": TARGET_STEP, "residual_ratio_max": TARGET_RESIDUAL,
+                    "floor_ratio_max": TARGET_FLOOR,
                     "kernel_step_ratio_max": KERNEL_TARGETS},
         "copy_GBps": {}, "rows": [],
     }
@@ -217,6 +226,12 @@ def main():
                 base = {"ms": row["ms"], "residual_bytes": row["residual_bytes"]}
             if row["ms"] is not None and base.get("ms"):
                 row["step_ratio"] = row["ms"] / base["ms"]
+            if getattr(layer, "recipe", None) is not None and layer.recipe.quantized:
+                fb = traffic.floor_bytes(layer.recipe, m, k, n)
+                row["floor_bytes"] = fb
+                row["floor_ms"] = fb["total"] / (results["copy_GBps"][sname] * 1e9) * 1e3
+                if row["ms"] is not None and base.get("ms"):
+                    row["floor_ratio"] = row["ms"] / (base["ms"] + row["floor_ms"])
             if row["residual_bytes"] is not None and base.get("residual_bytes"):
                 row["residual_ratio"] = row["residual_bytes"] / base["residual_bytes"]
             rows.append(row)
@@ -230,13 +245,17 @@ def main():
     print("step = fwd + dgrad + wgrad + dbias; ratios are to the bf16 row of the same shape; residuals = array "
           "leaves of the layer's VJP (float4 at 4 bits); TFLOP/s = 6*M*K*N / step")
     bench.print_table(
-        [("recipe", "<34"), ("shape", "<16"), ("step ms", ">9"), ("vs bf16", ">8"), ("residual MB", ">12"),
-         ("vs bf16", ">8"), ("TFLOP/s", ">8"), ("fprop/dgrad/wgrad route", "<26")],
-        [(r["recipe"], r["shape_name"], _f(r["ms"], "9.3f"), _f(r["step_ratio"], "7.3f"),
+        [("recipe", "<34"), ("shape", "<16"), ("step ms", ">9"), ("vs bf16", ">8"), ("floor ms", ">9"),
+         ("vs bf16+floor", ">13"), ("residual MB", ">12"), ("vs bf16", ">8"), ("TFLOP/s", ">8"),
+         ("fprop/dgrad/wgrad route", "<26")],
+        [(r["recipe"], r["shape_name"], _f(r["ms"], "9.3f"), _f(r["step_ratio"], "7.3f"), _f(r.get("floor_ms"), "9.3f"),
+          _f(r.get("floor_ratio"), "13.3f"),
           _f(None if r["residual_bytes"] is None else r["residual_bytes"] / 2**20, "12.2f"),
           _f(r["residual_ratio"], "7.3f"), _f(r["TFLOPs"], "8.1f"),
           "/".join(r["routes"].values()) if r.get("routes") else "") for r in rows])
 
+    print("floor ms: the bytes the step's quantize / amax / dequantize passes must move (benchmarks/traffic.py) at "
+          f"the copy bandwidth of the same run; target: every quantized step <= {TARGET_FLOOR}x (bf16 step + floor)")
     print(f"\ntargets ({TARGET_RECIPE}): step <= {TARGET_STEP}x bf16, residual bytes <= {TARGET_RESIDUAL}x bf16")
     results["targets"]["by_shape"] = {}
     for r in (r for r in rows if r["recipe"].split(" [")[0] == TARGET_RECIPE):
