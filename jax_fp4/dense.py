@@ -205,9 +205,10 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, implementation: str
       x_amax: None, or x's tensor amax from the op that produced x: ``jnp.max(jnp.abs(x))`` (a float scalar; NaN when
         x holds a NaN), which XLA fuses into that op. The quantizations of x with a tensor scale and no RHT (NVFP4
         fprop x; the nvfp4 recipe's RHT wgrad x keeps its own pass) use it instead of re-reading x for the tensor
-        amax and the NaN flag; results as without it, see `jax_fp4.quantize_rowwise_columnwise`'s amax.
-        `jax_fp4.flax`'s LayerNormDense and LayerNormMLP pass it from their norm and activation. Ignored where no
-        quantization of x has a tensor scale (and by the BF16 recipe).
+        amax and the NaN flag; results as without it, see `jax_fp4.quantize_rowwise_columnwise`'s amax. The Flax
+        Dense layers take it too (``x_amax``). Whether it saves time depends on the producer: XLA's fused reduction
+        can cost more than the amax pass it removes (docs/performance.md, "Tensor amax from the producer").
+        Ignored where no quantization of x has a tensor scale (and by the BF16 recipe).
 
     Forward-only calls (no VJP taken: inference, `jax.jit` without `grad`) quantize only the fprop operands (x
     rowwise, w along K), so they carry no wgrad / dgrad shape constraint (e.g. MXFP8's M % 32 of the columnwise x)

@@ -1,5 +1,5 @@
 """x's tensor amax from its producer (`jax_fp4.dense(..., x_amax=)`, `quantize_rowwise_columnwise(..., amax=)`, the
-Flax LayerNormDense / LayerNormMLP): the same bits as the quantizer's own amax and NaN passes, which it removes."""
+Flax Dense layers' ``x_amax``): the same bits as the quantizer's own amax and NaN passes, which it removes."""
 
 from __future__ import annotations
 
@@ -93,43 +93,52 @@ def test_bad_amax_is_refused():
 
 
 @pytest.mark.parametrize("recipe", ["nvfp4-fwd-mxfp8-bwd", "nvfp4-fwd-mxfp8-bwd-4over6"])
-def test_flax_layers_equal_their_composition(recipe):
-    """LayerNormMLP and LayerNormDense (passing the norm's and the activation's amax) == their submodules composed by
-    hand (each Dense running its own amax pass): values and gradients, NNX and Linen."""
+def test_flax_dense_layers_take_the_producer_amax(recipe):
+    """LayerNormMLP / LayerNormDense (each Dense running its own amax pass) == their submodules composed by hand with
+    the norm's and the activation's amax handed over (``x_amax``): values and gradients, NNX and Linen."""
     nnx = pytest.importorskip("flax.nnx")
     import flax.linen as nn
 
     from jax_fp4.flax import linen as fl
     from jax_fp4.flax import nnx as fx
 
+    def amax(y):
+        return jnp.max(jnp.abs(y))
+
+    def mlp_by_hand(m, x):
+        y = m.norm(x)
+        h = jax.nn.gelu(m.up(y, x_amax=amax(y)))
+        return m.down(h, x_amax=amax(h))
+
+    def lnd_by_hand(m, x):
+        y = m.norm(x)
+        return m.dense(y, x_amax=amax(y))
+
     x = jnp.asarray(random_input(np.random.default_rng(8), (2, 32, 64), jnp.bfloat16, edges=False))
     r = recipes.by_name(recipe)
-    mlp = fx.LayerNormMLP(64, 128, recipe=r, rngs=nnx.Rngs(0))
-    lnd = fx.LayerNormDense(64, 32, recipe=r, rngs=nnx.Rngs(1))
-    cases = {"LayerNormMLP": (mlp, lambda m, x: m.down(jax.nn.gelu(m.up(m.norm(x))))),
-             "LayerNormDense": (lnd, lambda m, x: m.dense(m.norm(x)))}
+    cases = {"LayerNormMLP": (fx.LayerNormMLP(64, 128, recipe=r, rngs=nnx.Rngs(0)), mlp_by_hand),
+             "LayerNormDense": (fx.LayerNormDense(64, 32, recipe=r, rngs=nnx.Rngs(1)), lnd_by_hand)}
     for name, (layer, by_hand) in cases.items():
         def grads(f, layer=layer):
             g = nnx.grad(lambda m, x: jnp.sum(f(m, x).astype(jnp.float32) ** 2), argnums=(0, 1))
             return jax.tree.leaves(nnx.jit(g)(layer, x))
 
-        _same(nnx.jit(lambda m, x: m(x))(layer, x), nnx.jit(by_hand)(layer, x), f"nnx {name} {recipe}")
-        _same(grads(lambda m, x: m(x)), grads(by_hand), f"nnx {name} {recipe} gradients")
+        _same(nnx.jit(by_hand)(layer, x), nnx.jit(lambda m, x: m(x))(layer, x), f"nnx {name} {recipe}")
+        _same(grads(by_hand), grads(lambda m, x: m(x)), f"nnx {name} {recipe} gradients")
 
     layer = fl.LayerNormMLP(128, r)
-    v = layer.init(jax.random.key(0), x)
-    p = v["params"]
+    p = layer.init(jax.random.key(0), x)["params"]
     norm_name = next(k for k in p if k not in ("up", "down"))
 
     def linen_apply(p, x):
         return layer.apply({"params": p}, x)
 
-    def linen_composed(p, x):
-        h = nn.LayerNorm(epsilon=1e-6).apply({"params": p[norm_name]}, x)
-        h = fl.Dense(128, r).apply({"params": p["up"]}, h)
-        return fl.Dense(64, r).apply({"params": p["down"]}, jax.nn.gelu(h))
+    def linen_by_hand(p, x):
+        y = nn.LayerNorm(epsilon=1e-6).apply({"params": p[norm_name]}, x)
+        h = jax.nn.gelu(fl.Dense(128, r).apply({"params": p["up"]}, y, amax(y)))
+        return fl.Dense(64, r).apply({"params": p["down"]}, h, amax(h))
 
-    _same(jax.jit(linen_apply)(p, x), jax.jit(linen_composed)(p, x), f"linen LayerNormMLP {recipe}")
+    _same(jax.jit(linen_by_hand)(p, x), jax.jit(linen_apply)(p, x), f"linen LayerNormMLP {recipe}")
     gw = jax.jit(jax.grad(lambda p, x: jnp.sum(linen_apply(p, x).astype(jnp.float32) ** 2)))(p, x)
-    gc = jax.jit(jax.grad(lambda p, x: jnp.sum(linen_composed(p, x).astype(jnp.float32) ** 2)))(p, x)
-    _same(jax.tree.leaves(gw), jax.tree.leaves(gc), f"linen LayerNormMLP {recipe} gradients")
+    gc = jax.jit(jax.grad(lambda p, x: jnp.sum(linen_by_hand(p, x).astype(jnp.float32) ** 2)))(p, x)
+    _same(jax.tree.leaves(gc), jax.tree.leaves(gw), f"linen LayerNormMLP {recipe} gradients")

@@ -110,8 +110,7 @@ class Dense(nn.Module):
 
 class LayerNormDense(nn.Module):
     """y = Dense(LayerNorm(x)): submodules ``norm`` (nn.LayerNorm / nn.RMSNorm, unquantized, float32 statistics) and
-    ``dense``. Attributes as `Dense`, plus ``norm`` ("layernorm" | "rmsnorm") and ``epsilon`` (1e-6). The norm's
-    output amax goes to ``dense`` as its ``x_amax`` (no separate amax pass, see `jax_fp4.flax.nnx.LayerNormDense`)."""
+    ``dense``. Attributes as `Dense`, plus ``norm`` ("layernorm" | "rmsnorm") and ``epsilon`` (1e-6)."""
 
     features: int
     recipe: Recipe
@@ -129,7 +128,7 @@ class LayerNormDense(nn.Module):
         y = _norm(self.norm, self.epsilon, self.dtype, self.param_dtype)(inputs)
         return Dense(self.features, self.recipe, use_bias=self.use_bias, dtype=self.dtype,
                      param_dtype=self.param_dtype, kernel_init=self.kernel_init, bias_init=self.bias_init,
-                     rng_collection=self.rng_collection, name="dense")(y, jnp.max(jnp.abs(y)))
+                     rng_collection=self.rng_collection, name="dense")(y)
 
 
 class LayerNormMLP(nn.Module):
@@ -168,10 +167,10 @@ class LayerNormMLP(nn.Module):
                   bias_init=self.bias_init, rng_collection=self.rng_collection)
         swiglu = self.activation == "swiglu"
         h = _norm(self.norm, self.epsilon, self.dtype, self.param_dtype)(inputs)
-        h = Dense(self.hidden_features * (2 if swiglu else 1), self.recipe, name="up", **kw)(h, jnp.max(jnp.abs(h)))
+        h = Dense(self.hidden_features * (2 if swiglu else 1), self.recipe, name="up", **kw)(h)
         if swiglu:
             gate, linear = jnp.split(h, 2, axis=-1)
             h = jax.nn.silu(gate) * linear
         else:
             h = jax.nn.gelu(h)
-        return Dense(out, self.recipe, name="down", **kw)(h, jnp.max(jnp.abs(h)))
+        return Dense(out, self.recipe, name="down", **kw)(h)

@@ -126,11 +126,6 @@ class Dense(nnx.Module):
             raise e.with_layer(nnx_path(self) or type(self).__name__) from None
 
 
-def _amax(y):
-    """y's tensor amax for the next dense layer's `x_amax` (dead code, removed by XLA, where its recipe reads none)."""
-    return jnp.max(jnp.abs(y))
-
-
 class LayerNormDense(nnx.Module):
     """y = Dense(LayerNorm(x)): submodules ``norm`` (`nnx.LayerNorm` / `nnx.RMSNorm`, unquantized) and ``dense``.
 
@@ -143,8 +138,9 @@ class LayerNormDense(nnx.Module):
       use_bias, dtype, param_dtype, kernel_init, bias_init, rng_collection, rngs: as `Dense` (dtype and param_dtype
         also apply to the norm).
 
-    Call: ``layer(x, *, rngs=None)``, x [..., K] -> [..., N]. The norm's output amax (``jnp.max(jnp.abs(y))``, fused
-    by XLA into the norm) goes to the dense layer as its ``x_amax``: no separate amax pass over y.
+    Call: ``layer(x, *, rngs=None)``, x [..., K] -> [..., N]. The dense layer runs its own tensor-amax pass over the
+    norm's output: handing it ``jnp.max(jnp.abs(y))`` from the norm's XLA fusion instead (``x_amax``) keeps the bits
+    but measured slower for nvfp4-fwd-mxfp8-bwd on an H100 (benchmarks/layer_amax.py, docs/performance.md).
     """
 
     def __init__(self, in_features: int, out_features: int, *, recipe: Recipe, norm: str = "layernorm",
@@ -158,8 +154,7 @@ class LayerNormDense(nnx.Module):
                            rng_collection=rng_collection, rngs=rngs)
 
     def __call__(self, x: jax.Array, *, rngs: RngsLike = None) -> jax.Array:
-        y = self.norm(x)
-        return self.dense(y, rngs=rngs, x_amax=_amax(y))
+        return self.dense(self.norm(x), rngs=rngs)
 
 
 class LayerNormMLP(nnx.Module):
@@ -189,7 +184,7 @@ class LayerNormMLP(nnx.Module):
         ``down_kernel_init=nnx.with_partitioning(init, ("tensor", None))``.
 
     Call: ``layer(x, *, rngs=None)``, x [..., in] -> [..., out]; a key passed as ``rngs`` is split between up and
-    down. The norm's and the activation's output amax go to up and down as their ``x_amax`` (see `LayerNormDense`).
+    down. Each projection runs its own tensor-amax pass (see `LayerNormDense`).
     """
 
     def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None, *, recipe: Recipe,
@@ -214,11 +209,10 @@ class LayerNormMLP(nnx.Module):
 
     def __call__(self, x: jax.Array, *, rngs: RngsLike = None) -> jax.Array:
         r_up, r_down = split_rngs(rngs, 2)
-        y = self.norm(x)
-        h = self.up(y, rngs=r_up, x_amax=_amax(y))
+        h = self.up(self.norm(x), rngs=r_up)
         if self.activation == "swiglu":
             gate, linear = jnp.split(h, 2, axis=-1)
             h = jax.nn.silu(gate) * linear
         else:
             h = jax.nn.gelu(h)
-        return self.down(h, rngs=r_down, x_amax=_amax(h))
+        return self.down(h, rngs=r_down)
