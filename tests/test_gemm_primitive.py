@@ -386,13 +386,24 @@ def test_dense_kernel_route_equals_emulated_on_the_cpu(rng, kernel_here, name):
 
 
 def _assert_dense_route_is_emulated_bits(rng, recipe, implementation, seed):
-    """dense fwd + bwd on `implementation` runs jf4_gemm (its CPU lowering) and gives the all-emulated bits."""
+    """dense fwd + bwd on `implementation` runs jf4_gemm (its CPU lowering) and gives the all-emulated results.
+
+    Both routes hand XLA's dot the same operand values; the two programs may accumulate a dot's fp32 sum in another
+    order, which moves it by far less than one bf16 step (K = 256 products of operands within a few units), so a
+    GEMM output (y, dx, dw) may differ by one bf16 rounding step where its fp32 sum sits at a rounding boundary and is
+    otherwise bit-equal; dbias (the quantize pass's column sums, the same in both) must be bit-equal.
+    """
     x, w, b, dy = _normal(rng, (M, K)), _normal(rng, (K, N)) / 8, _normal(rng, (N,)), _normal(rng, (M, N))
     key = jax.random.key(seed)
     assert "jf4_gemm" in _primitives(lambda *a: dense_vjp(*a, recipe, implementation), x, w, b, dy, key)
     got, want = dense_vjp(x, w, b, dy, key, recipe, implementation), dense_vjp(x, w, b, dy, key, recipe, "emulated")
     for name_, g, e in zip(("y", "dx", "dw", "dbias"), got, want, strict=True):
-        np.testing.assert_array_equal(bits(g), bits(e), err_msg=name_)
+        gb, eb = bits(g).astype(np.int64), bits(e).astype(np.int64)
+        if name_ == "dbias":
+            np.testing.assert_array_equal(gb, eb, err_msg=name_)
+            continue
+        steps = np.abs(gb - eb)  # same sign (a one-step flip keeps it), so bit distance = rounding steps
+        assert steps.max() <= 1 and np.mean(steps != 0) < 0.01, (name_, int(steps.max()), float(np.mean(steps != 0)))
 
 
 def test_dense_auto_mixes_kernel_and_emulated_routes_on_the_cpu(rng, monkeypatch):
