@@ -170,6 +170,7 @@ def test_sr_shard_streams():
 _FMTS = [NVFP4(), NVFP4(stochastic_rounding=True), NVFP4(rht=True), MXFP8(), MXFP8(element="e5m2")]
 
 
+@pytest.mark.slow  # property search (~40 s); the deterministic tests above run in the quick tier
 @settings(max_examples=10, deadline=None)
 @given(
     fmt_i=st.integers(0, len(_FMTS) - 1),

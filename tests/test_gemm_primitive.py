@@ -527,6 +527,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow  # a 4-device subprocess: the full suite, not the quick tier
 def test_sharded_kernel_route_in_a_subprocess(rng):
     """M / N sharded operands run the primitive per shard without gathering them (no all-gather in the compiled
     HLO; the amax is one all-reduce), within the bound of the unsharded product; sharded dense on the kernel route

@@ -14,6 +14,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
@@ -245,6 +247,7 @@ def test_dequantize_and_swizzle_sharded_equal_unsharded():
     _run(DEQUANTIZE_SCRIPT)
 
 
+@pytest.mark.slow  # a multi-device subprocess (~30 s): the full suite, not the quick tier
 def test_stochastic_rounding_sharded_equals_unsharded():
     """NVFP4 stochastic rounding, rowwise and columnwise, x sharded along M, K and P (and two mesh axes on one dim):
     every element draws the byte of its global index, so sharded == unsharded bit for bit, without gathering x."""
