@@ -23,8 +23,7 @@ those routes run are labelled by their route in dense.py.
 
 from __future__ import annotations
 
-import math
-
+import _common as bench  # benchmarks/_common.py: the importer puts benchmarks/ on sys.path
 import jax
 import jax.numpy as jnp
 
@@ -39,11 +38,7 @@ def _codes(shape, fmt, axis) -> int:
     if fmt is None:
         return 0
     q = jax.eval_shape(lambda a: jax_fp4.quantize(a, fmt, axis=axis), jax.ShapeDtypeStruct(shape, jnp.bfloat16))
-    total = 0
-    for leaf in jax.tree.leaves(q):
-        dt = jnp.dtype(leaf.dtype)
-        total += -(-math.prod(leaf.shape) * (4 if dt.name.startswith("float4") else 8 * dt.itemsize) // 8)
-    return total
+    return bench.tree_bytes(q)
 
 
 def _rht_reads(elements: int, *fmts) -> int:

@@ -39,7 +39,7 @@ from jax_fp4.gemm import (
 from jax_fp4.quantize import quantize_rowwise_columnwise
 from jax_fp4.recipes import Recipe, resolve
 from jax_fp4.route import recipe_routes
-from jax_fp4.validation import check_key
+from jax_fp4.validation import check_amax, check_key
 
 __all__ = ["dense", "dot_general", "RESIDUAL_NAMES", "IMPLEMENTATIONS", "gemm_routes"]
 
@@ -239,9 +239,8 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, implementation: str
     if bias is not None and jnp.shape(bias) != (kernel.shape[1],):
         raise ValueError(f"dense: bias shape {jnp.shape(bias)} != ({kernel.shape[1]},)")
     recipe.check_key(key, "dense", backward=False)  # (a non-key is refused under BF16 too)
-    if x_amax is not None and (jnp.shape(x_amax) != () or not jnp.issubdtype(jnp.result_type(x_amax), jnp.floating)):
-        raise ValueError(f"dense: x_amax must be a float scalar (jnp.max(jnp.abs(x)) of x {x.dtype}{list(x.shape)}), "
-                         f"got {jnp.result_type(x_amax)}{list(jnp.shape(x_amax))}")
+    if x_amax is not None:
+        check_amax(x_amax, x, "dense: x_amax")
     if not _uses_x_amax(recipe):
         x_amax = None  # (no reduction is kept alive for a recipe that does not read it)
     if not recipe.quantized:

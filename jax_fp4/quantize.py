@@ -25,7 +25,7 @@ from jax_fp4.quantized_array import SCALE_LAYOUTS, ExactOperand, QuantizedArray
 from jax_fp4.reference import layout
 from jax_fp4.reference.nvfp4 import tensor_decode_scale, window_nan
 from jax_fp4.reference.sr import philox_key
-from jax_fp4.validation import check_key, check_quantize_inputs
+from jax_fp4.validation import check_amax, check_key, check_quantize_inputs
 
 __all__ = ["quantize", "quantize_rowwise_columnwise", "dequantize", "swizzle_scales", "unswizzle_scales"]
 
@@ -57,11 +57,8 @@ def _given_amax(amax, x, where):
     widened exactly); NaN means x holds a NaN (the flag `_has_nan` computes otherwise), and the encode then uses 0."""
     if amax is None:
         return None, None
-    a = jnp.asarray(amax)
-    if a.shape != () or not jnp.issubdtype(a.dtype, jnp.floating):
-        raise ValueError(f"{where}: amax must be a float scalar (jnp.max(jnp.abs(x)) of x "
-                         f"{jnp.result_type(x)}{list(jnp.shape(x))}), got {a.dtype}{list(a.shape)}")
-    a = a.astype(jnp.float32)
+    check_amax(amax, x, f"{where}: amax")
+    a = jnp.asarray(amax).astype(jnp.float32)
     nan = jnp.isnan(a)
     return jnp.where(nan, jnp.float32(0), a), nan
 

@@ -43,6 +43,13 @@ def check_quantize_inputs(x, fmt: Format, axis: int, key) -> int:
     return axis
 
 
+def check_amax(amax, x, where: str) -> None:
+    """A caller's tensor amax of x (`jnp.max(jnp.abs(x))`): ValueError unless a float scalar."""
+    if jnp.shape(amax) != () or not jnp.issubdtype(jnp.result_type(amax), jnp.floating):
+        raise ValueError(f"{where} must be a float scalar (jnp.max(jnp.abs(x)) of x {jnp.result_type(x)}"
+                         f"{list(jnp.shape(x))}), got {jnp.result_type(amax)}{list(jnp.shape(amax))}")
+
+
 def check_key(key, where: str) -> None:
     """TypeError naming `where` when `key` is neither None nor a JAX PRNG key: a typed key (`jax.random.key(seed)`,
     dtype key<...>) or a raw uint32[..., 2] key (`jax.random.PRNGKey(seed)`). Checked whether or not the format
