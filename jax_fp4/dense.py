@@ -28,14 +28,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_fp4 import blocking as _blocking
 from jax_fp4._src.dimension_numbers import canonical_dimension_numbers
+from jax_fp4._src.primitives.gemm import exact_product
 from jax_fp4._src.vjp_util import dtype_tag, operand_keys, reverse_mode_only
 from jax_fp4.distributed import fsdp_axes, gather_quantized, reduced_product, reduces_in_output_dtype
-from jax_fp4.gemm import (
-    ExactOperand,
-    exact_dot_general,
-    exact_operand,
-    scaled_dot_general,
-)
+from jax_fp4.gemm import ExactOperand, exact_operand, scaled_dot_general
 from jax_fp4.quantize import quantize_rowwise_columnwise
 from jax_fp4.recipes import Recipe, resolve
 from jax_fp4.route import recipe_routes
@@ -96,7 +92,7 @@ def _gemm(a, b, dn, route, out_dtype=jnp.float32, bias=None, reduce_out=False):
         ops = [o if isinstance(o, ExactOperand) else exact_operand(lax.optimization_barrier(o)) for o in (a, b)]
         y = reduced_product(ops[0][0], ops[1][0], ops[0][1], ops[1][1], dn, out_dtype)
     elif isinstance(a, ExactOperand) or isinstance(b, ExactOperand):
-        y = exact_dot_general(a, b, dn, jnp.float32)
+        return _exact_gemm(a, b, dn, out_dtype, bias)
     elif hasattr(a, "fmt"):
         if route == "kernel":  # the bias and the cast in the kernel's epilogue
             return scaled_dot_general(a, b, dn, out_dtype, implementation="kernel", bias=bias)
@@ -106,6 +102,54 @@ def _gemm(a, b, dn, route, out_dtype=jnp.float32, bias=None, reduce_out=False):
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(out_dtype)
+
+
+def _exact_gemm(a, b, dn, out_dtype, bias):
+    """An emulated GEMM over exact operands: `exact_product` (+ bias in float32), cast to out_dtype once.
+
+    On CUDA devices (`lax.platform_dependent`) the program is written so that XLA runs its dot on cuBLAS; the
+    arithmetic is the same (float32 accumulation of exact products, the tensor scales multiplied in after, lhs's
+    first, one rounding to out_dtype), the summation order is cuBLAS's:
+      * no tensor scale and no bias (MXFP8 operands: the backward GEMMs of nvfp4-fwd-mxfp8-bwd, all of mxfp8): a
+        `dot_general` that writes out_dtype directly; cuBLAS rounds its float32 accumulator once. Written as a
+        float32 dot and a convert, XLA makes it a Triton GEMM fusion with the convert as its epilogue;
+      * fprop with a tensor scale (NVFP4 x and w): the float32 dot is kept apart from the scale multiplies, bias and
+        cast by an optimization barrier, so it runs on cuBLAS and that epilogue fuses into the layer output's
+        consumer; otherwise XLA fuses the tensor-scale arithmetic into a slower Triton GEMM. The rounding to
+        out_dtype is a `reduce_precision` before the cast: XLA (allow_excess_precision, on by default) removes a
+        float32 -> bfloat16 -> float32 convert pair inside a consumer fusion, which would hand some consumers the
+        unrounded value and make the layer's bits depend on how XLA fuses its neighbours;
+      * dgrad / wgrad with tensor scales (nvfp4): unchanged. Their outputs (dx, dw) leave the layer, so the
+        separate epilogue pass would cost more than the Triton epilogue saves.
+    Measured on an H100 in docs/performance.md, "GEMM lowering". Elsewhere (the CPU) the program is `exact_product`
+    as written, whose bits the CPU tests pin: XLA:CPU sums a bfloat16-output dot in another order.
+    """
+    ops = [o if isinstance(o, ExactOperand) else exact_operand(lax.optimization_barrier(o)) for o in (a, b)]
+    (va, ta), (vb, tb) = ops
+
+    def finish(y):
+        return (y if bias is None else y + bias.astype(jnp.float32)).astype(out_dtype)
+
+    def portable(va, vb, ta, tb):
+        return finish(exact_product([(va, ta), (vb, tb)], dn))
+
+    narrow_out = jnp.dtype(out_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if ta is None and tb is None and bias is None and narrow_out and va.dtype == vb.dtype == jnp.bfloat16:
+        def cublas(va, vb, ta, tb):
+            return lax.dot_general(va, vb, dn, preferred_element_type=out_dtype)
+    elif dn == _FPROP and (ta is not None or tb is not None) and va.dtype == vb.dtype == jnp.bfloat16:
+        def cublas(va, vb, ta, tb):
+            y = lax.optimization_barrier(lax.dot_general(va, vb, dn, preferred_element_type=jnp.float32))
+            for t in (ta, tb):
+                y = y if t is None else y * t
+            y = y if bias is None else y + bias.astype(jnp.float32)
+            if narrow_out:  # rounded here: XLA may drop a float32 -> out_dtype -> float32 convert pair in consumers
+                finfo = jnp.finfo(out_dtype)
+                y = lax.reduce_precision(y, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
+            return y.astype(out_dtype)
+    else:
+        return portable(va, vb, ta, tb)
+    return lax.platform_dependent(va, vb, ta, tb, cuda=cublas, default=portable)
 
 
 def _window_pad(fmt, n: int) -> int:
