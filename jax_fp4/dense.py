@@ -113,10 +113,13 @@ def _exact_gemm(a, b, dn, out_dtype, bias):
       * no tensor scale and no bias (MXFP8 operands: the backward GEMMs of nvfp4-fwd-mxfp8-bwd, all of mxfp8): a
         `dot_general` that writes out_dtype directly; cuBLAS rounds its float32 accumulator once. Written as a
         float32 dot and a convert, XLA makes it a Triton GEMM fusion with the convert as its epilogue;
-      * fprop with a tensor scale (NVFP4 x and w): the float32 dot is kept apart from the scale multiplies, bias and
-        cast by an optimization barrier, so it runs on cuBLAS and that epilogue fuses into the layer output's
-        consumer; otherwise XLA fuses the tensor-scale arithmetic into a slower Triton GEMM. The rounding to
-        out_dtype is a `reduce_precision` before the cast: XLA (allow_excess_precision, on by default) removes a
+      * fprop with a tensor scale (NVFP4 x and w) and no bias: the float32 dot is kept apart from the scale
+        multiplies and the cast by an optimization barrier, so it runs on cuBLAS and that epilogue fuses into the
+        layer output's consumer; otherwise XLA fuses the tensor-scale arithmetic into a slower Triton GEMM. A
+        bias add would land in whichever fusion XLA picks, where it may contract with the scale multiply into an
+        FMA; on an H100 a LayerNormMLP with biases then gave other bits with and without `x_amax`, so with a bias
+        the GEMM stays as `exact_product` writes it. The rounding to out_dtype is a `reduce_precision` before the
+        cast: XLA (allow_excess_precision, on by default) removes a
         float32 -> bfloat16 -> float32 convert pair inside a consumer fusion, which would hand some consumers the
         unrounded value and make the layer's bits depend on how XLA fuses its neighbours;
       * dgrad / wgrad with tensor scales (nvfp4): unchanged. Their outputs (dx, dw) leave the layer, so the
@@ -137,12 +140,11 @@ def _exact_gemm(a, b, dn, out_dtype, bias):
     if ta is None and tb is None and bias is None and narrow_out and va.dtype == vb.dtype == jnp.bfloat16:
         def cublas(va, vb, ta, tb):
             return lax.dot_general(va, vb, dn, preferred_element_type=out_dtype)
-    elif dn == _FPROP and (ta is not None or tb is not None) and va.dtype == vb.dtype == jnp.bfloat16:
+    elif dn == _FPROP and (ta is not None or tb is not None) and bias is None and va.dtype == vb.dtype == jnp.bfloat16:
         def cublas(va, vb, ta, tb):
             y = lax.optimization_barrier(lax.dot_general(va, vb, dn, preferred_element_type=jnp.float32))
             for t in (ta, tb):
                 y = y if t is None else y * t
-            y = y if bias is None else y + bias.astype(jnp.float32)
             if narrow_out:  # rounded here: XLA may drop a float32 -> out_dtype -> float32 convert pair in consumers
                 finfo = jnp.finfo(out_dtype)
                 y = lax.reduce_precision(y, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
