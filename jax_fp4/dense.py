@@ -13,7 +13,8 @@ fprop, dgrad and wgrad run `jf4_gemm`, fprop with the bias fused into its epilog
 and no dequantize pass runs. Emulated GEMMs (CPU; any device with implementation="emulated"): an operand consumed at
 once (not a residual) comes from the quantize pass as an `ExactOperand` (bfloat16 value(q) * block scale, written by
 the same kernel launch), so no dequantize pass runs for it: fprop's x and w, and both dy operands. The residuals
-stay quantized. The bits of every emulated product are those of `scaled_dot_general` on the QuantizedArrays.
+stay quantized. The bits of every emulated product are those of `scaled_dot_general` on the QuantizedArrays
+(on CUDA devices up to the summation order: `_exact_gemm` writes these GEMMs so that they run on cuBLAS).
 """
 
 from __future__ import annotations
