@@ -33,7 +33,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 def _quick_tier_at_o0(config) -> bool:
     """README's quick tier (`-m "not gpu and not slow"`) on a machine without JAX's CUDA plugin has XLA compile at LLVM
     -O0 (`--xla_backend_optimization_level=0`, appended to XLA_FLAGS unless they set a level): compiling the bit-exact
-    reference is most of the tier's time, and -O0 takes about 30 % of it off (measured on 2 cores). IEEE results do
+    reference is most of the tier's time, and -O0 takes about a quarter of it off (measured on 2 cores). IEEE results do
     not depend on the LLVM optimisation level (XLA:CPU compiles without fast-math); the full suite, which CI runs,
     keeps XLA's default level."""
     import importlib.util
