@@ -30,6 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax_fp4 import blocking as _blocking
 from jax_fp4._src.dimension_numbers import canonical_dimension_numbers
 from jax_fp4._src.primitives.gemm import exact_product
+from jax_fp4._src.primitives.partitioning_collective import narrow_product
 from jax_fp4._src.vjp_util import dtype_tag, operand_keys, reverse_mode_only
 from jax_fp4.distributed import fsdp_axes, gather_quantized, reduced_product, reduces_in_output_dtype
 from jax_fp4.gemm import ExactOperand, exact_operand, scaled_dot_general
@@ -89,12 +90,9 @@ def gemm_routes(recipe: Recipe, implementation: str = "auto") -> dict:
 def _gemm(a, b, dn, route, out_dtype=jnp.float32, bias=None, reduce_out=False):
     """One GEMM of the layer in float32 (+ bias in float32), cast to out_dtype. reduce_out: an emulated product's
     cross-shard sum runs in out_dtype (`jax_fp4.distributed`, reduce_dtype="output")."""
-    if reduce_out and (isinstance(a, ExactOperand) or isinstance(b, ExactOperand) or route == "emulated"):
-        ops = [o if isinstance(o, ExactOperand) else exact_operand(lax.optimization_barrier(o)) for o in (a, b)]
-        y = reduced_product(ops[0][0], ops[1][0], ops[0][1], ops[1][1], dn, out_dtype)
-    elif isinstance(a, ExactOperand) or isinstance(b, ExactOperand):
-        return _exact_gemm(a, b, dn, out_dtype, bias)
-    elif hasattr(a, "fmt"):
+    if isinstance(a, ExactOperand) or isinstance(b, ExactOperand) or (reduce_out and route == "emulated"):
+        return _exact_gemm(a, b, dn, out_dtype, bias, reduce_out)
+    if hasattr(a, "fmt"):
         if route == "kernel":  # the bias and the cast in the kernel's epilogue
             return scaled_dot_general(a, b, dn, out_dtype, implementation="kernel", bias=bias)
         y = scaled_dot_general(a, b, dn, jnp.float32, implementation=route)
@@ -105,16 +103,19 @@ def _gemm(a, b, dn, route, out_dtype=jnp.float32, bias=None, reduce_out=False):
     return y.astype(out_dtype)
 
 
-def _exact_gemm(a, b, dn, out_dtype, bias):
-    """An emulated GEMM over exact operands: `exact_product` (+ bias in float32), cast to out_dtype once.
+def _exact_gemm(a, b, dn, out_dtype, bias, reduce_out=False):
+    """An emulated GEMM over exact operands: `exact_product` (+ bias in float32), cast to out_dtype once; reduce_out:
+    `reduced_product` instead (a sharded contraction summed in out_dtype, `jax_fp4.distributed`).
 
     On CUDA devices (`lax.platform_dependent`) the program is written so that XLA runs its dot on cuBLAS; the
     arithmetic is the same (float32 accumulation of exact products, the tensor scales multiplied in after, lhs's
     first, one rounding to out_dtype), the summation order is cuBLAS's:
       * no tensor scale and no bias (MXFP8 operands: the backward GEMMs of nvfp4-fwd-mxfp8-bwd, all of mxfp8): a
         `dot_general` that writes out_dtype directly; cuBLAS rounds its float32 accumulator once. Written as a
-        float32 dot and a convert, XLA makes it a Triton GEMM fusion with the convert as its epilogue;
-      * fprop with a tensor scale (NVFP4 x and w) and no bias: the float32 dot is kept apart from the scale
+        float32 dot and a convert, XLA makes it a Triton GEMM fusion with the convert as its epilogue. The dot is
+        `narrow_product`'s: where a mesh shards the contraction, the shards' float32 partial products are summed
+        before the one rounding (XLA would partition the bfloat16-output dot into bfloat16 partial sums);
+      * fprop with a tensor scale (NVFP4 x and w), no bias and no reduce_out: the float32 dot is kept apart from the scale
         multiplies and the cast by an optimization barrier, so it runs on cuBLAS and that epilogue fuses into the
         layer output's consumer; otherwise XLA fuses the tensor-scale arithmetic into a slower Triton GEMM. A
         bias add would land in whichever fusion XLA picks, where it may contract with the scale multiply into an
@@ -135,13 +136,16 @@ def _exact_gemm(a, b, dn, out_dtype, bias):
         return (y if bias is None else y + bias.astype(jnp.float32)).astype(out_dtype)
 
     def portable(va, vb, ta, tb):
+        if reduce_out:
+            return finish(reduced_product(va, vb, ta, tb, dn, out_dtype))
         return finish(exact_product([(va, ta), (vb, tb)], dn))
 
     narrow_out = jnp.dtype(out_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    if ta is None and tb is None and bias is None and narrow_out and va.dtype == vb.dtype == jnp.bfloat16:
-        def cublas(va, vb, ta, tb):
-            return lax.dot_general(va, vb, dn, preferred_element_type=out_dtype)
-    elif dn == _FPROP and (ta is not None or tb is not None) and bias is None and va.dtype == vb.dtype == jnp.bfloat16:
+    bf16 = va.dtype == vb.dtype == jnp.bfloat16
+    if ta is None and tb is None and bias is None and narrow_out and bf16:
+        def cublas(va, vb, ta, tb):  # (a sharded contraction sums in float32, or out_dtype: `narrow_product`)
+            return narrow_product(va, vb, dn, out_dtype, out_dtype if reduce_out else jnp.float32)
+    elif dn == _FPROP and (ta is not None or tb is not None) and bias is None and bf16 and not reduce_out:
         def cublas(va, vb, ta, tb):
             y = lax.optimization_barrier(lax.dot_general(va, vb, dn, preferred_element_type=jnp.float32))
             for t in (ta, tb):

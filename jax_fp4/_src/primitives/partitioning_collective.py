@@ -1,10 +1,10 @@
 """Explicit collectives of the quantized GEMMs under a mesh: the gather of a quantized weight's pieces and the
-cross-shard sum of a GEMM's partial products in its output dtype (`jax_fp4.distributed`).
+cross-shard sum of a GEMM's partial products in a chosen dtype (`jax_fp4.distributed`, `jax_fp4.dense`).
 
 Both are `custom_partitioning` functions (a per-call rule, as `partitioning.py`'s), so they see the shardings that
 propagation gave their operands and need no mesh or PartitionSpec from the caller. On one device and inside
-shard_map they inline their per-shard body, which is then the identity (`gather_axes`) or the plain float32 product
-(`reduced_product`): the unsharded result is unchanged bit for bit.
+shard_map they inline their per-shard body, which is then the identity (`gather_axes`) or the unsharded product
+(`reduced_product`, `narrow_product`): the unsharded result is unchanged bit for bit.
 
   * `gather_axes(x, axes)`: every dimension of x sharded over a mesh axis named in `axes` is all-gathered over it
     (tiled, in mesh order) inside the per-shard body; the other mesh axes stay. Its Shardy rule links no factor of
@@ -19,6 +19,9 @@ shard_map they inline their per-shard body, which is then the identity (`gather_
     `lax.psum_scatter` over the mesh axes that shard the result along a free dimension, the FSDP weight gradient):
     the bytes of a bfloat16 GEMM's reduction, not float32's. The result is converted back to float32, so the caller
     adds the bias and casts as before (a second rounding of a bfloat16 value to bfloat16 changes nothing).
+  * `narrow_product(va, vb, dn, out_dtype, sum_dtype)`: the bfloat16-output dot of unscaled exact operands that
+    `jax_fp4.dense` runs on cuBLAS on CUDA devices, its cross-shard sum in float32 (the default rule: XLA alone would
+    round each shard's bfloat16 partial product first) or in out_dtype (reduce_dtype="output").
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_fp4._src.primitives.partitioning_base import axis_names, divisible_spec, mesh_size, spec_of
 
-__all__ = ["gather_axes", "reduced_product"]
+__all__ = ["gather_axes", "narrow_product", "reduced_product"]
 
 
 def _names(entry) -> tuple:
@@ -135,16 +138,54 @@ def reduced_product(va, vb, ta, tb, dimension_numbers, out_dtype):
       training"). Under vmap (`jax_fp4.dot_general`'s batch axes) the float32 `exact_product` of each batch
       element, its cross-shard sums left to XLA (float32).
     """
+    def local(a, b, *ts):
+        it = iter(ts)
+        return _product(a, b, next(it) if ta is not None else None, next(it) if tb is not None else None,
+                        dimension_numbers)
+
+    scales = [t for t in (ta, tb) if t is not None]
+    return _sharded_product(va, vb, scales, dimension_numbers, jnp.float32, local, local, jnp.dtype(out_dtype))
+
+
+def narrow_product(va, vb, dimension_numbers, out_dtype, sum_dtype=jnp.float32):
+    """`lax.dot_general(va, vb, dimension_numbers, preferred_element_type=out_dtype)` of unscaled exact operands
+    (cuBLAS accumulates in float32 and rounds once to out_dtype), its cross-shard sum taken in `sum_dtype`.
+
+    XLA alone would partition a dot with a bfloat16 result into per-shard bfloat16 dots and a bfloat16 all-reduce,
+    which rounds each shard's partial product. Here a sharded contraction sums in sum_dtype: float32 (the default
+    rule of docs/numerics.md, "Distributed training": the float32 `exact_product` per shard, `lax.psum` /
+    `lax.psum_scatter` in float32, one cast) or out_dtype (reduce_dtype="output": each shard's narrow dot, summed in
+    out_dtype, as `reduced_product`). Unsharded (or contracting dimension unsharded): the narrow dot.
+
+    Args:
+      va, vb: 2-D exact operands of one dtype, one contracting dimension each, no batch dimensions.
+      dimension_numbers: (((ca,), (cb,)), ((), ())).
+      out_dtype: the result dtype (bfloat16 or float16).
+      sum_dtype: float32 or out_dtype.
+
+    Returns:
+      out_dtype [a free, b free]. Under vmap: the float32 `exact_product` of each batch element cast to out_dtype.
+    """
+    out_dtype, sum_dtype = jnp.dtype(out_dtype), jnp.dtype(sum_dtype)
+
+    def local(a, b):
+        return jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=out_dtype)
+
+    def partial(a, b):
+        return local(a, b) if sum_dtype == out_dtype else _product(a, b, None, None, dimension_numbers)
+
+    return _sharded_product(va, vb, [], dimension_numbers, out_dtype, local, partial, sum_dtype)
+
+
+def _sharded_product(va, vb, scales, dimension_numbers, result_dtype, local, partial, sum_dtype):
+    """A 2-D product as a `custom_partitioning` function of (va, vb, *scales): `local(a, b, *scales)` where the
+    contracting dimension is not sharded (and on one device), else each shard's `partial(a, b, *scales)` (float32)
+    rounded to sum_dtype, summed across the shards in sum_dtype (psum_scatter over the axes that shard the wanted
+    result along a free dimension, psum over the rest) and cast to result_dtype. Under vmap: `jax.vmap(partial)`
+    cast to result_dtype, partitioned by XLA."""
     (ca, cb), _ = dimension_numbers
     (ca,), (cb,) = ca, cb
     fa, fb = 1 - ca, 1 - cb
-    scales = [t for t in (ta, tb) if t is not None]
-    has = (ta is not None, tb is not None)
-    out_dtype = jnp.dtype(out_dtype)
-
-    def body(a, b, *ts):
-        it = iter(ts)
-        return _product(a, b, next(it) if has[0] else None, next(it) if has[1] else None, dimension_numbers)
 
     @custom_vmap
     def v(a, b, *ts):
@@ -152,14 +193,14 @@ def reduced_product(va, vb, ta, tb, dimension_numbers, out_dtype):
 
     @v.def_vmap
     def _batched(axis_size, in_batched, a, b, *ts):
-        # under vmap (dot_general's batch axes): XLA's float32 partial sums (`exact_product` per batch element)
+        # under vmap (dot_general's batch axes): XLA's float32 partial sums (`partial` per batch element)
         args = [x if on else jnp.broadcast_to(x, (axis_size, *x.shape))
                 for x, on in zip((a, b, *ts), in_batched, strict=True)]
-        return jax.vmap(body)(*args), True
+        return jax.vmap(partial)(*args).astype(result_dtype), True
 
     @custom_partitioning
     def f(a, b, *ts):
-        return body(a, b, *ts)
+        return local(a, b, *ts)
 
     def plan(mesh, arg_shapes, result_spec):
         sa = divisible_spec(mesh, arg_shapes[0].shape, spec_of(arg_shapes[0].sharding, 2))
@@ -194,10 +235,9 @@ def reduced_product(va, vb, ta, tb, dimension_numbers, out_dtype):
         k_axes = axis_names((k,))
 
         def lower(a, b, *ts):
-            y = body(a, b, *ts)
             if not k_axes:
-                return y
-            y = y.astype(out_dtype)
+                return local(a, b, *ts)
+            y = partial(a, b, *ts).astype(sum_dtype)
             rest = list(k_axes)
             for d, g in enumerate(scatter):
                 if g:
@@ -205,7 +245,7 @@ def reduced_product(va, vb, ta, tb, dimension_numbers, out_dtype):
                     rest = [x for x in rest if x not in g]
             if rest:
                 y = jax.lax.psum(y, tuple(rest))
-            return y.astype(jnp.float32)
+            return y.astype(result_dtype)
 
         rep = NamedSharding(mesh, PartitionSpec())
         args = (NamedSharding(mesh, PartitionSpec(*a_spec)), NamedSharding(mesh, PartitionSpec(*b_spec)),
