@@ -2,7 +2,8 @@
 against the bfloat16 step and against `jax.nn.scaled_dot_general` (mxfp8 / nvfp4 configs).
 
 The step is `jit(value_and_grad(loss, argnums=(0, 1, 2)))(x, w, b)` with loss = sum(dense(x, w, b).astype(f32) * g)
-for a fixed random bfloat16 cotangent g, i.e. one forward GEMM, dgrad, wgrad and the bias gradient (6*M*K*N flops).
+for a fixed random bfloat16 cotangent g, i.e. one forward GEMM, dgrad, wgrad and the bias gradient (6*M*K*N flops);
+--no-bias drops the bias (b = None) and its gradient.
 Per recipe and shape it reports ms per step, the ratio to the bf16 step of the same shape, the residual bytes (what
 the layer's VJP keeps from forward to backward: every array leaf of the pullback, float4 at 4 bits, PRNG keys at
 their key-data size) and their ratio to bf16, and the effective TFLOP/s (6*M*K*N / step time). The compiled step's
@@ -95,7 +96,7 @@ def _jnn_layer(mode):
             gs.append(jnp.ones((1,), jnp.float32))
             cfgs = [jax.nn.get_scaled_dot_general_config("nvfp4", global_scale=s) for s in gs]
         y = jax.nn.scaled_dot_general(x, w, DN, preferred_element_type=jnp.bfloat16, configs=cfgs)
-        return y + b.astype(y.dtype)
+        return y if b is None else y + b.astype(y.dtype)
 
     return layer
 
@@ -171,6 +172,9 @@ def main():
     ap.add_argument("--recipes", default=None, help="comma list of recipe names (bf16 always runs: the baseline)")
     ap.add_argument("--implementations", default="auto",
                     help=f"comma list of jax_fp4.dense implementations to compare ({', '.join(IMPLEMENTATIONS)})")
+    ap.add_argument("--no-bias", action="store_true",
+                    help="layers without a bias (on CUDA a bias-free NVFP4 fprop keeps its dot apart from the "
+                         "tensor-scale epilogue, docs/performance.md, \"GEMM lowering\"; default: with a bias)")
     args = ap.parse_args()
     shapes = bench.parse_shapes(args.shapes, SHAPES if args.shapes == "default" else {**SHAPES, **EXTRA_SHAPES},
                                 SMALL_SHAPES, dims=None)
@@ -183,7 +187,7 @@ def main():
     native = native_gemm_available()
     results = {
         **bench.run_info(dev), "native_gemm": native, "kernel_gemm": kernel_gemm_available(),
-        "implementations": list(impls),
+        "implementations": list(impls), "bias": not args.no_bias,
         "method": (f"one compiled step over <= {NBUF} rotated input sets, 2 warm-up calls, best of {args.repeats} x "
                    f"<= {args.iters} calls, block_until_ready"),
         "targets": {"recipe": TARGET_RECIPE, "step_ratio_max": TARGET_STEP, "residual_ratio_max": TARGET_RESIDUAL,
@@ -198,6 +202,8 @@ def main():
         set_bytes = 2 * (m * k + k * n + m * n + n)
         nbuf = max(1, min(NBUF, MEM_CAP_BYTES // set_bytes))
         argsets = make_argsets(m, k, n, nbuf)
+        if args.no_bias:
+            argsets = [(x, w, None, g, key) for x, w, _, g, key in argsets]
         _, results["copy_GBps"][sname] = bench.copy_bandwidth([a[3] for a in argsets], args.iters, args.repeats)
         print(f"[{sname}] x [{m}, {k}] w [{k}, {n}], {nbuf} buffer set(s); copy bandwidth of g "
               f"{results['copy_GBps'][sname] / 1e3:.2f} TB/s", flush=True)
@@ -242,7 +248,8 @@ def main():
         del argsets
 
     print(f"\n{bench.describe_run(results)}  native block-scaled GEMM: {native}")
-    print("step = fwd + dgrad + wgrad + dbias; ratios are to the bf16 row of the same shape; residuals = array "
+    step = "fwd + dgrad + wgrad" + ("" if args.no_bias else " + dbias")
+    print(f"step = {step}; ratios are to the bf16 row of the same shape; residuals = array "
           "leaves of the layer's VJP (float4 at 4 bits); TFLOP/s = 6*M*K*N / step")
     bench.print_table(
         [("recipe", "<34"), ("shape", "<16"), ("step ms", ">9"), ("vs bf16", ">8"), ("floor ms", ">9"),

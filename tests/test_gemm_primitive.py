@@ -95,6 +95,12 @@ def prim_and_exact(a, b, bias=None, out_dtype=jnp.float32, emit_amax=False):
     return out, amax, want.astype(out_dtype)
 
 
+# Tests of the CPU program (the primitive's CPU lowering, a device without the kernel, the kernel route pretended by
+# `kernel_here` and lowered to the emulation): on a GPU backend they would test something else, so they skip there.
+cpu_design = pytest.mark.skipif(jax.default_backend() != "cpu", reason="tests the CPU program (GPU: the -m gpu tests)")
+
+
+@cpu_design
 @pytest.mark.parametrize("pair", list(PAIRS))
 def test_cpu_lowering_equals_exact_dot_general(rng, pair):
     a, b = _operands(rng, pair)
@@ -297,6 +303,7 @@ def test_auto_takes_the_kernel_where_the_operands_allow(rng, kernel_here):
     assert "jf4_gemm" not in _primitives(lambda a, b: jax_fp4.scaled_dot_general(a, b, tn), a64, bmx)
 
 
+@cpu_design
 def test_kernel_refused_where_it_does_not_run(rng):
     a, b = _operands(rng, "mxfp8-e4m3")
     with pytest.raises(ValueError, match="no jf4_gemm kernel on"):
@@ -340,6 +347,7 @@ def kernel_and_emulated(a, b, bias, dn, out_dtype=jnp.bfloat16):
     return k, e
 
 
+@cpu_design
 @pytest.mark.parametrize("case,layout", LAYOUT_CASES, ids=[f"{c}-{s}" for c, s in LAYOUT_CASES])
 def test_layout_conversions_give_the_emulated_product(rng, kernel_here, case, layout):
     """Exactly summable inputs: the kernel route (its operands converted to K-major compact scales) equals the
@@ -354,6 +362,7 @@ def test_layout_conversions_give_the_emulated_product(rng, kernel_here, case, la
     assert float(k_amax) == float(e_amax) > 0
 
 
+@cpu_design
 @pytest.mark.parametrize("case", ["mxfp8 x.w[K,N] (w blocked along axis 0)", "nvfp4 wgrad x.dy"])
 def test_layout_conversions_within_the_bound_on_random_inputs(rng, kernel_here, case):
     a, b, dn = _layout_operands(rng, case, "swizzled", lambda shape, axis: _normal(rng, shape))

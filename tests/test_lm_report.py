@@ -36,6 +36,8 @@ def test_plot_has_a_colour_per_recipe_and_the_noise_band(tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     assert len({tuple(c) for c in info["colors"].values()}) == len(names)
     assert info["noise_pct"] is not None and 0.5 < info["noise_pct"] < 2.5
+    assert info["ylabel"] == "loss (nats per byte)"
+    assert lm_report.plot_curves(tmp_path, rows, "test", unit="token")["ylabel"] == "loss (nats per token)"
 
 
 def test_diagnostics_rows_csv_and_heatmaps(tmp_path):

@@ -59,11 +59,12 @@ def loss_noise_pct(losses: list[float]) -> float | None:
     return float(100 * np.std(np.diff(tail)) / np.sqrt(2) / np.mean(tail))
 
 
-def plot_curves(out: Path, rows: list[dict], title: str):
+def plot_curves(out: Path, rows: list[dict], title: str, unit: str = "byte"):
     """out/curves.png. Left: train loss (thin, dotted) and validation loss (markers) per recipe against the step, one
-    colour per recipe (tab10); right: each recipe's validation loss relative to bf16's at the same step (when bf16 is
-    among the rows), over a grey band of +-the bf16 train loss's step-to-step noise (`loss_noise_pct`): with one seed,
-    gaps inside it are not results (--seeds gives a mean and spread)."""
+    colour per recipe (tab10), in nats per `unit` ("byte" or "token": what one loss term predicts); right: each
+    recipe's validation loss relative to bf16's at the same step (when bf16 is among the rows), over a grey band of
+    +-the bf16 train loss's step-to-step noise (`loss_noise_pct`): with one seed, gaps inside it are not results
+    (--seeds gives a mean and spread)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -88,7 +89,7 @@ def plot_curves(out: Path, rows: list[dict], title: str):
         pts = [(s, 100 * (v / ref[s] - 1)) for s, v in zip(steps, val, strict=True) if s in ref]
         if pts and name != "bf16":
             gap.plot(*zip(*pts, strict=True), "o-", color=colors[name], ms=3, lw=1.5, label=name)
-    ax.set(xlabel="step", ylabel="loss (nats per byte)", title="validation (markers) and train (dotted) loss")
+    ax.set(xlabel="step", ylabel=f"loss (nats per {unit})", title="validation (markers) and train (dotted) loss")
     gap.axhline(0.0, color="k", lw=0.8)
     gap.set(xlabel="step", ylabel="validation loss vs bf16 (%)", title="gap to bf16")
     if noise is not None:
@@ -104,7 +105,7 @@ def plot_curves(out: Path, rows: list[dict], title: str):
     fig.tight_layout()
     fig.savefig(out / "curves.png")
     plt.close(fig)
-    return {"colors": {n: colors[n] for n in names}, "noise_pct": noise}
+    return {"colors": {n: colors[n] for n in names}, "noise_pct": noise, "ylabel": ax.get_ylabel()}
 
 
 def format_table(summaries: dict) -> str:

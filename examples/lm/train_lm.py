@@ -313,7 +313,8 @@ def main(argv=None) -> dict:
     path.write_text(json.dumps(merged, indent=1))
     tokens = "byte-level" if args.tokenizer == "bytes" else f"BPE {m.vocab}"
     lm_report.plot_curves(args.out, all_rows, f"{tokens} {m.arch}, d_model {m.d_model}, {m.n_layers} layers, seq "
-                          f"{m.seq}, batch {cfg.batch}: {', '.join(dict.fromkeys(r['recipe'] for r in all_rows))}")
+                          f"{m.seq}, batch {cfg.batch}: {', '.join(dict.fromkeys(r['recipe'] for r in all_rows))}",
+                          unit="byte" if args.tokenizer == "bytes" else "token")
     table = dict(summaries)
     for seed in args.seeds or [None]:  # the reference of the gap: bf16 of an earlier run into this --out
         ref = "bf16" if seed is None else f"bf16@s{seed}"
