@@ -110,3 +110,24 @@ def test_bfloat16_reductions(results, case, fn):
     assert r["reductions"] and all(d.endswith(" bf16") for d in r["reductions"]), r
     if fn == "narrow output" and case == "reduce-scatter":
         assert r["reductions"] == ["reduce-scatter bf16"], r
+
+
+@pytest.mark.parametrize("sum_dtype", ["float32", "bfloat16"])
+def test_under_vmap_each_batch_element_is_its_product(sum_dtype):
+    """jax_fp4.dot_general's batch axes vmap the GEMM: the batched rule gives each element's float32 product cast
+    once (exactly summable integers, so every order agrees with the narrow dot)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_fp4._src.primitives.partitioning_collective import narrow_product
+
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.integers(-64, 65, (3, 64, 32)), jnp.bfloat16)
+    dy = jnp.asarray(rng.integers(-64, 65, (3, 64, 16)), jnp.bfloat16)
+    dn = (((0,), (0,)), ((), ()))
+    got = jax.jit(jax.vmap(lambda a, b: narrow_product(a, b, dn, jnp.bfloat16, jnp.dtype(sum_dtype))))(x, dy)
+    assert got.dtype == jnp.bfloat16 and got.shape == (3, 32, 16)
+    for i in range(3):
+        want = jax.lax.dot_general(x[i], dy[i], dn, preferred_element_type=jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(got[i], np.float32), np.asarray(want, np.float32))
