@@ -211,8 +211,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="output directory (default runs/<preset>)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoints in --out")
     p.add_argument("--collectives", action="store_true",
-                   help="record the collectives of the compiled step in summary.json (count and bytes per kind; "
-                        "costs one more compile; loops counted once: use --no-scan for per-step totals)")
+                   help="record the collectives of the compiled step in summary.json (count and bytes per kind, "
+                        "per op of the program and per step, loop bodies times their trip counts; one more compile)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     lm_precision.add_arguments(p)
     return p

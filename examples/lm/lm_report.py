@@ -1,5 +1,5 @@
 """Outputs of a train_lm.py run: curves.csv (merged across invocations), curves.png, the summary table, the
-device metrics that summary.json records (peak memory per device, collective bytes of the compiled step), and the
+peak memory per device that summary.json records (the compiled step's collectives: `lm_collectives`), and the
 quantization diagnostics (diagnostics.csv and the layer x operand heatmaps of `jax_fp4.diagnostics` statistics)."""
 
 from __future__ import annotations
@@ -136,29 +136,6 @@ def format_table(summaries: dict) -> str:
                      + (f" {s.get('diag_step_ms') or math.nan:>8.1f}" if diag else "")
                      + (f" {s['aux_loss']:>6.3f}" if aux and s.get("aux_loss") is not None else ""))
     return "\n".join(lines)
-
-
-_COLLECTIVE = re.compile(r"=\s*(\([^=]*?\)|[a-z0-9]+\[[\d,]*\](?:\{[^}]*\})?)\s+"
-                         r"(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-done)?\(")
-_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
-_BITS = {"pred": 8, "s8": 8, "u8": 8, "f8e4m3fn": 8, "f8e5m2": 8, "f8e8m0fnu": 8, "f4e2m1fn": 4, "s4": 4, "u4": 4,
-         "bf16": 16, "f16": 16, "s16": 16, "u16": 16, "f32": 32, "s32": 32, "u32": 32, "f64": 64, "s64": 64}
-
-
-def collective_bytes(hlo_text: str) -> dict:
-    """{op: {"count", "bytes"}} of the collectives in a compiled module's HLO text (`compiled.as_text()`): every
-    all-gather, all-reduce, reduce-scatter, all-to-all and collective-permute (asynchronous ones by their -done op),
-    bytes = the size of its result (all-gather: the gathered array; reduce-scatter: one shard). An op inside a loop
-    body (a scanned block stack) is counted once, not once per iteration: count unscanned models (--no-scan) for
-    per-step totals."""
-    out: dict = {}
-    for m in _COLLECTIVE.finditer(hlo_text):
-        op = out.setdefault(m[2], {"count": 0, "bytes": 0})
-        op["count"] += 1
-        for dtype, dims in _SHAPE.findall(m[1]):
-            n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-            op["bytes"] += n * _BITS.get(dtype, 32) // 8
-    return out
 
 
 # ---- quantization diagnostics ----------------------------------------------------------------------------------------

@@ -73,6 +73,7 @@ from jax_fp4 import recipes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, also under python -P
 import lm_checkpoint  # noqa: E402
+import lm_collectives  # noqa: E402
 import lm_data  # noqa: E402
 import lm_mesh  # noqa: E402
 import lm_model  # noqa: E402
@@ -92,7 +93,7 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     `jax_fp4.schedule.PrecisionSwitch` (None: one phase): each phase is its own compiled step over the same state,
     chosen by the step number, so the run compiles again once at the switch. diagnostics N > 0: every N-th step runs
     the diagnostics step (the same update, also returning the per-layer quantization statistics). stop_at: stop after
-    that step (a checkpoint is written there). collectives: summary["collectives"] = `lm_report.collective_bytes`
+    that step (a checkpoint is written there). collectives: summary["collectives"] = `lm_collectives.collective_bytes`
     of the first phase's compiled step."""
     from tqdm.auto import tqdm
 
@@ -137,7 +138,7 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     hlo = None
     if collectives:  # the compiled step's collectives, before the state is donated to the first step
         batch0 = lm_data.train_batch(corpus, 0, cfg.batch, cfg.model.seq, cfg.seed)
-        hlo = lm_report.collective_bytes(ph.steps[0].lower(state, batch0).compile().as_text())
+        hlo = lm_collectives.collective_bytes(ph.steps[0].lower(state, batch0).compile().as_text())
     ckdir = out / "checkpoints" / run
     rows, start, timed, drows = [], 0, {"seconds": 0.0, "steps": 0, "diag_seconds": 0.0, "diag_steps": 0}, []
     if resume and lm_checkpoint.latest_step(ckdir) is not None:
