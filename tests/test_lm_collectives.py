@@ -3,14 +3,12 @@ their known trip counts)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from _cpu_devices import run_results
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "lm"))
@@ -115,11 +113,7 @@ SCRIPT = textwrap.dedent(
 def test_scanned_stack_counts_each_block():
     """A scan of 2 and of 5 blocks on 2 CPU devices: the module holds one all-reduce for every stack size, the
     per-step count is one per block (8 x 64 float32 each)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    proc = subprocess.run([sys.executable, "-P", "-c", SCRIPT, str(ROOT / "examples" / "lm")], env=env, text=True,
-                          capture_output=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(next(ln[7:] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")))
+    (res,) = run_results(SCRIPT, 2, args=(ROOT / "examples" / "lm",), timeout=300)
     for layers, got in res.items():
         ar = got["all-reduce"]
         assert ar["count"] == 1 and ar["bytes"] == 8 * 64 * 4, got

@@ -13,18 +13,13 @@ partitioning (XLA:CPU widens bfloat16 collectives later): float32 for narrow_pro
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
+from _cpu_devices import run_results
 
 pytestmark = pytest.mark.slow  # a multi-device subprocess: full suite only
 
-ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent(
     """
@@ -75,14 +70,7 @@ SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     dump = tmp_path_factory.mktemp("hlo")
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count=4 --xla_dump_to={dump} "
-                         "--xla_dump_hlo_pass_re=spmd-partitioning")
-    proc = subprocess.run([sys.executable, "-P", "-c", SCRIPT, str(dump)], env=env, cwd=ROOT, text=True,
-                          capture_output=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-6000:])
-    return {(r["case"], r.get("fn")): r for r in
-            (json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT "))}
+    return {(r["case"], r.get("fn")): r for r in run_results(SCRIPT, 4, args=(dump,), dump=dump)}
 
 
 def test_unsharded_is_the_narrow_dot(results):

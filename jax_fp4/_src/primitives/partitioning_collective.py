@@ -164,7 +164,8 @@ def narrow_product(va, vb, dimension_numbers, out_dtype, sum_dtype=jnp.float32):
       sum_dtype: float32 or out_dtype.
 
     Returns:
-      out_dtype [a free, b free]. Under vmap: the float32 `exact_product` of each batch element cast to out_dtype.
+      out_dtype [a free, b free]. Under vmap: per batch element, the float32 `exact_product` cast to out_dtype
+      (sum_dtype float32) or the narrow dot (sum_dtype out_dtype), its cross-shard sums left to XLA.
     """
     out_dtype, sum_dtype = jnp.dtype(out_dtype), jnp.dtype(sum_dtype)
 
@@ -179,8 +180,8 @@ def narrow_product(va, vb, dimension_numbers, out_dtype, sum_dtype=jnp.float32):
 
 def _sharded_product(va, vb, scales, dimension_numbers, result_dtype, local, partial, sum_dtype):
     """A 2-D product as a `custom_partitioning` function of (va, vb, *scales): `local(a, b, *scales)` where the
-    contracting dimension is not sharded (and on one device), else each shard's `partial(a, b, *scales)` (float32)
-    rounded to sum_dtype, summed across the shards in sum_dtype (psum_scatter over the axes that shard the wanted
+    contracting dimension is not sharded (and on one device), else each shard's `partial(a, b, *scales)` converted
+    to sum_dtype, summed across the shards in sum_dtype (psum_scatter over the axes that shard the wanted
     result along a free dimension, psum over the rest) and cast to result_dtype. Under vmap: `jax.vmap(partial)`
     cast to result_dtype, partitioned by XLA."""
     (ca, cb), _ = dimension_numbers
