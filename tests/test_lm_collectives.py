@@ -82,6 +82,23 @@ def test_loop_bodies_count_per_trip():
     assert got["loops_without_trip_count"] == 1
 
 
+def test_long_tuples_count_every_element():
+    """XLA prints /*index=N*/ before every fifth element of a long tuple; a combined all-gather of six arrays counts
+    all six (the comment's "=" must not end the shape)."""
+    def tup(rows):  # five u8[rows, 8] and one u8[rows, 4], as XLA prints a six-element tuple
+        return "(" + ", ".join([f"u8[{rows},8]{{1,0}}"] * 5) + f", /*index=5*/u8[{rows},4]{{1,0}})"
+
+    hlo = "\n".join([
+        "ENTRY %main () -> u8[] {",
+        f"  %s = ({tup(2)}, {tup(4)}) all-gather-start(%a, %b, %c, %d, %e, /*index=5*/%f), dimensions={{0}}",
+        f"  %g = {tup(4)} all-gather-done(%s)",
+        "  ROOT %r = u8[] constant(0)",
+        "}",
+    ])
+    got = lm_collectives.collective_bytes(hlo)
+    assert got["all-gather"] == {"count": 1, "bytes": 5 * 32 + 16, "count_per_step": 1, "bytes_per_step": 5 * 32 + 16}
+
+
 SCRIPT = textwrap.dedent(
     """
     import json, sys

@@ -24,6 +24,7 @@ _CALLEE = re.compile(r"\b(?:calls|to_apply|condition|body)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _WHILE_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_COMMENT = re.compile(r"/\*.*?\*/")  # HLO text numbers long tuples' elements: (a, b, c, d, e, /*index=5*/f, ...)
 
 
 def _computations(hlo_text: str):
@@ -77,7 +78,7 @@ def collective_bytes(hlo_text: str) -> dict:
     mult, unknown = _multipliers(comps)
     out: dict = {}
     for name, _, lines in comps:
-        for m in _COLLECTIVE.finditer("\n".join(lines)):
+        for m in _COLLECTIVE.finditer(_COMMENT.sub("", "\n".join(lines))):
             op = out.setdefault(m[2], {"count": 0, "bytes": 0, "count_per_step": 0, "bytes_per_step": 0})
             size = 0
             for dtype, dims in _SHAPE.findall(m[1]):
