@@ -23,6 +23,16 @@ def test_loss_noise_pct():
     assert lm_report.loss_noise_pct(list(np.linspace(3, 2, 40))) < 1e-6  # a smooth decline is no noise
 
 
+def test_peak_of_earlier_run():
+    """A process keeps one peak statistic: a second run whose peak stays below the first's reports the first's."""
+    gib = 1 << 30
+    assert lm_report.peak_of_earlier_run([55 * gib, 55 * gib], [55 * gib, 55 * gib])  # no device rose
+    assert not lm_report.peak_of_earlier_run([55 * gib, 55 * gib], [55 * gib, 57 * gib])  # this run set one
+    assert not lm_report.peak_of_earlier_run([0, 0], [51 * gib, 51 * gib])  # the first run
+    assert not lm_report.peak_of_earlier_run(None, None)  # the CPU keeps no statistics
+    assert not lm_report.peak_of_earlier_run(None, [gib])
+
+
 def test_plot_has_a_colour_per_recipe_and_the_noise_band(tmp_path):
     rng = np.random.default_rng(1)
     names = ["bf16", "mxfp8", "nvfp4", "nvfp4-1x64", "nvfp4-fwd-mxfp8-bwd"]

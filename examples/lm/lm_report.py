@@ -33,6 +33,13 @@ def peak_memory() -> list[int] | None:
     return peaks
 
 
+def peak_of_earlier_run(before: list[int] | None, after: list[int] | None) -> bool:
+    """Whether the process peak `after` (peak_memory() at a run's end) is still the one `before` (at its start) held:
+    no device's peak rose during the run, so the figure is an earlier run's and this run's own peak is at most it
+    (the statistic cannot be reset)."""
+    return bool(before and after) and all(a <= b for a, b in zip(after, before, strict=True))
+
+
 def write_curves(out: Path, rows: list[dict], replaced: set[str]) -> list[dict]:
     """Merge rows into out/curves.csv (rows of the recipes in `replaced` are dropped first); returns all rows."""
     path = out / "curves.csv"

@@ -100,6 +100,7 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     from jax_fp4 import policy as qpolicy
 
     wall = time.perf_counter()
+    peak_before = lm_report.peak_memory()  # the process's peak so far (an earlier run's)
     run = name if run is None else run
     recipe = recipes.by_name(name)
     mesh = lm_mesh.make_mesh(*cfg.mesh) if cfg.mesh is not None else None
@@ -247,6 +248,8 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     summary["compile_s"] = (timed["first_seconds"] - firsts * (step_s if math.isfinite(step_s) else 0.0)
                             if firsts else None)
     summary["peak_bytes_per_device"] = lm_report.peak_memory()  # None on the CPU
+    if lm_report.peak_of_earlier_run(peak_before, summary["peak_bytes_per_device"]):
+        summary["peak_set_by_earlier_run"] = True  # this run's peak is at most that figure
     summary.update(params=lm_model.count_params(cfg.model), devices=n_dev, device_kind=jax.devices()[0].device_kind,
                    mesh=None if cfg.mesh is None else dict(zip(lm_mesh.AXES, cfg.mesh, strict=True)),
                    tokens_per_step=tokens, flops_per_token=lm_model.flops_per_token(cfg.model))
@@ -326,7 +329,9 @@ def main(argv=None) -> dict:
     for run, sm in summaries.items():  # what the table leaves out (summary.json has all of it)
         peak = sm.get("peak_bytes_per_device")
         print(f"{run}: compile {sm['compile_s'] or 0:.1f} s" + (
-            f", peak memory per device {', '.join(f'{b / 2**30:.2f}' for b in peak)} GiB" if peak else ""))
+            f", peak memory per device {', '.join(f'{b / 2**30:.2f}' for b in peak)} GiB" if peak else "") + (
+            " (an earlier run's in this process; this run's is at most that)" if sm.get("peak_set_by_earlier_run")
+            else ""))
     if args.seeds:
         gaps = lm_precision.seed_gaps(merged)
         lm_precision.write_gaps(args.out, gaps)
