@@ -115,8 +115,8 @@ def _exact_gemm(a, b, dn, out_dtype, bias, reduce_out=False):
         float32 dot and a convert, XLA makes it a Triton GEMM fusion with the convert as its epilogue. The dot is
         `narrow_product`'s: where a mesh shards the contraction, the shards' float32 partial products are summed
         before the one rounding (XLA would partition the bfloat16-output dot into bfloat16 partial sums);
-      * fprop with a tensor scale (NVFP4 x and w), no bias and no reduce_out: the float32 dot is kept apart from the scale
-        multiplies and the cast by an optimization barrier, so it runs on cuBLAS and that epilogue fuses into the
+      * fprop with a tensor scale (NVFP4 x and w), no bias and no reduce_out: the float32 dot is kept apart from the
+        scale multiplies and the cast by an optimization barrier, so it runs on cuBLAS and that epilogue fuses into the
         layer output's consumer; otherwise XLA fuses the tensor-scale arithmetic into a slower Triton GEMM. A
         bias add would land in whichever fusion XLA picks, where it may contract with the scale multiply into an
         FMA; on an H100 a LayerNormMLP with biases then gave other bits with and without `x_amax`, so with a bias

@@ -88,7 +88,7 @@ def test_nnx_errors_name_the_module_path():
     model, x = _Model(nnx.Rngs(0)), jnp.ones((64, 64))
     for head, path in ((True, "blocks/1/head/dense"), (False, "proj")):
         with pytest.raises(blocking.BlockingError, match=re.escape(f"of layer {path!r}")) as e:
-            nnx.eval_shape(lambda m: nnx.grad(lambda m: m(x, head).sum())(m), model)  # (raised when traced)
+            nnx.eval_shape(lambda m, head=head: nnx.grad(lambda m: m(x, head).sum())(m), model)  # (raised when traced)
         assert f"policy.exclude({path!r})" in str(e.value)
 
 
@@ -104,9 +104,9 @@ class _Linen(nn.Module):
 def test_linen_errors_name_the_module_path():
     x = jnp.ones((64, 64))
     for head, path in ((True, "head/dense"), (False, "proj")):
-        params = jax.eval_shape(lambda k, x: _Linen().init(k, x, head), KEY, x)  # forward only: N = 16 fits
+        params = jax.eval_shape(lambda k, x, head=head: _Linen().init(k, x, head), KEY, x)  # forward only: N = 16 fits
         with pytest.raises(blocking.BlockingError, match=re.escape(f"of layer {path!r}")):
-            jax.eval_shape(jax.grad(lambda p: _Linen().apply(p, x, head).sum()), params)
+            jax.eval_shape(jax.grad(lambda p, head=head: _Linen().apply(p, x, head).sum()), params)
 
 
 def test_describe_marks_layers_that_cannot_be_blocked():
