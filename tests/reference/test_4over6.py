@@ -102,9 +102,9 @@ def test_random_inputs_match_te_model(rng, c):
         q = quant(jnp.asarray(x))
         amax = jnp.float32(te.quantize_4over6(x)[2])
         want_q, want_sc, a = _check(x, c, q, ref(jnp.asarray(x), amax))
-        got = np.asarray(deq(q))
-        want = te.dequantize(want_q, want_sc, a, c["e4m3_max"])
-        if not np.isinf(a) and a < np.float32(3.4e38) / 448:
+        if not np.isinf(a) and a < np.float32(3.4e38) / 448:  # the model's range (te.dequantize's docstring)
+            got = np.asarray(deq(q))
+            want = te.dequantize(want_q, want_sc, a, c["e4m3_max"])
             np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=f"dequantize {name}")
         picks.append(te.quantize_4over6(x, e4m3_max=c["e4m3_max"], err_mode=c["err_mode"], two_d=c["two_d"],
                                         with_pick=True)[3])
