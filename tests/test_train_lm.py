@@ -319,7 +319,8 @@ def test_moe_scan_layers():
     batch = lm_data.train_batch(lm_data.Corpus(np.arange(4096, dtype=np.uint8), np.zeros(64, np.uint8), ""), 0, 4,
                                 32, seed=0)
     terms = nnx.jit(lm_model.loss_terms)
-    (_, (ce_s, aux_s)), (obj_u, (ce_u, aux_u)) = terms(scanned, batch), terms(unrolled, batch)
+    (_, (ce_s, aux_s, _)), (obj_u, (ce_u, aux_u, seq_u)) = terms(scanned, batch), terms(unrolled, batch)
+    assert seq_u.shape == (4,) and float(seq_u.mean()) == pytest.approx(float(ce_u), rel=1e-5)
     np.testing.assert_allclose([ce_s, aux_s], [ce_u, aux_u], rtol=2e-3)
     assert float(obj_u) == pytest.approx(float(ce_u) + 0.01 * float(aux_u), rel=1e-6) and 0.9 < float(aux_u) < 2
 

@@ -41,6 +41,7 @@ import lm_data  # noqa: E402
 import lm_layers  # noqa: E402
 import lm_model  # noqa: E402
 import lm_precision  # noqa: E402
+import lm_stats  # noqa: E402
 import train_lm  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -179,10 +180,10 @@ def test_unmatched_rule_exits(tmp_path, capsys):
 def test_seed_gaps_and_peak():
     summ = {"bf16@s0": {"val_loss": 1.0}, "bf16@s1": {"val_loss": 2.0}, "x@s0": {"val_loss": 1.01},
             "x@s1": {"val_loss": 2.06}, "x@s2": {"val_loss": 9.0}, "y": {"val_loss": 5.0}}
-    g = lm_precision.seed_gaps(summ)
+    g = lm_stats.seed_gaps(summ)
     assert set(g) == {"bf16", "x"} and g["x"]["seeds"] == [0, 1]  # seed 2 has no bf16 run: left out
     assert g["x"]["mean_pct"] == pytest.approx(2.0) and g["x"]["std_pct"] == pytest.approx(np.std([1, 3], ddof=1))
-    assert g["bf16"]["mean_pct"] == 0 and "x " in lm_precision.format_gaps(g)
+    assert g["bf16"]["mean_pct"] == 0 and "x " in lm_stats.format_gaps(g)
     assert lm_precision.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert lm_precision.peak_flops("NVIDIA H100 PCIe") == 756e12 and lm_precision.peak_flops("NVIDIA H200") == 989e12
     assert lm_precision.peak_flops("cpu") is None

@@ -26,30 +26,33 @@ from jax_fp4.distributed import REDUCE_DTYPES
 DESCRIPTION = ("Train a GPT- or Llama-style decoder whose attention projections and MLPs run through jax_fp4's "
                "quantized layers.")
 
+VAL_TOKENS = 2**20  # the presets' final validation set (small and up): 1,048,576 held-out tokens
 PRESETS = {
     # tiny: two CPU cores, ~1 min per quantized recipe (mostly XLA compiling the bit-exact reference kernels)
     "tiny": dict(d_model=64, layers=2, head_dim=32, seq=64, batch=8, steps=80, lr=3e-3, warmup=10, eval_every=20,
                  eval_batches=4, log_every=5, ckpt_every=0, scan=False),
     # small: one H100 GPU; sized so that --compare (5 recipes x 2000 steps) stays within about 8 minutes
     "small": dict(d_model=384, layers=4, head_dim=64, seq=256, batch=32, steps=2000, lr=1e-3, warmup=100,
-                  eval_every=250, eval_batches=8, log_every=25, ckpt_every=1000, scan=True),
+                  eval_every=250, eval_batches=8, log_every=25, ckpt_every=1000, scan=True, val_tokens=VAL_TOKENS),
     # medium: one GPU, 85.5M parameters (12 x 12 d_model^2 + embedding and head), 32k tokens per step on the
     # site-packages corpus (~65M tokens in 2000 steps, so the model does not run through its data many times).
     # Unscanned: on an H100 the scanned stack's per-layer slicing and gradient stacking cost ~30 ms of a ~48 ms
     # bf16 step; unrolled, XLA compiles 12 blocks (~15 s) once per recipe.
     "medium": dict(d_model=768, layers=12, head_dim=64, seq=512, batch=64, steps=2000, lr=6e-4, warmup=200,
-                   eval_every=250, eval_batches=8, log_every=25, ckpt_every=1000, scan=False, corpus="site-packages"),
+                   eval_every=250, eval_batches=8, log_every=25, ckpt_every=1000, scan=False, corpus="site-packages",
+                   val_tokens=VAL_TOKENS),
     # large: Llama-style (RMSNorm, SwiGLU, grouped-query attention, untied embeddings), ~1.0B parameters, seq 2048,
     # BPE tokens (32768, trained on the corpus), scanned blocks checkpointed keeping the quantized residuals; 32k
     # tokens per step, meant for an fsdp mesh (--mesh 1x2x1 on 2 GPUs).
     "large": dict(d_model=2048, layers=16, head_dim=128, kv_heads=4, mlp_hidden=7168, seq=2048, batch=16, steps=300,
                   lr=3e-4, warmup=100, eval_every=100, eval_batches=4, log_every=10, ckpt_every=0, scan=True,
-                  corpus="site-packages", arch="llama", remat="quantized", tokenizer="bpe", vocab=32768),
+                  corpus="site-packages", arch="llama", remat="quantized", tokenizer="bpe", vocab=32768,
+                  val_tokens=VAL_TOKENS),
     # large-350m: the large architecture at ~0.34B parameters (d_model 1024, 24 blocks), 1000 steps of 32k tokens.
     "large-350m": dict(d_model=1024, layers=24, head_dim=64, kv_heads=4, mlp_hidden=2816, seq=2048, batch=16,
                        steps=1000, lr=6e-4, warmup=100, eval_every=250, eval_batches=4, log_every=25, ckpt_every=0,
                        scan=True, corpus="site-packages", arch="llama", remat="quantized", tokenizer="bpe",
-                       vocab=32768),
+                       vocab=32768, val_tokens=VAL_TOKENS),
 }
 CORPORA = ("stdlib", "site-packages")
 TOKENIZERS = ("bytes", "bpe")
@@ -70,18 +73,25 @@ class RunConfig:
     seed: int
     mesh: tuple[int, int, int] | None = None  # (data, fsdp, tensor); None: one device
     fsdp_reduce: str = "float32"  # fsdp > 1: the quantized layers' reduce_dtype (jax_fp4.distributed.shard_recipe)
+    deterministic: bool = False  # XLA's deterministic ops and XLA attention (jax_fp4.determinism)
+    final_eval_batches: int = 0  # batches of the run's last evaluation (0: eval_batches)
+
+    def __post_init__(self):
+        if self.final_eval_batches < self.eval_batches:
+            object.__setattr__(self, "final_eval_batches", self.eval_batches)
 
     def resume_key(self) -> dict:
         """What a checkpoint must agree on to be resumed (the rest, e.g. --steps or the mesh, may change). Fields
         added since older checkpoints are left out at their defaults (dense: the moe_ fields), so those resume."""
         default = lm_model.ModelConfig()
         model = {k: v for k, v in dataclasses.asdict(self.model).items()
-                 if (self.model.moe or not k.startswith("moe_"))
+                 if (self.model.moe or not k.startswith("moe_")) and k not in RUN_ONLY_MODEL_FIELDS
                  and not (k in NEW_MODEL_FIELDS and v == getattr(default, k))}
         return {"model": model, "batch": self.batch, "lr": self.lr, "warmup": self.warmup, "seed": self.seed}
 
 
 NEW_MODEL_FIELDS = ("arch", "kv_heads", "mlp_hidden", "remat", "vocab")
+RUN_ONLY_MODEL_FIELDS = ("attention",)  # how a step runs, not what it trains: a checkpoint resumes under either
 
 
 # ---- command line ----------------------------------------------------------------------------------------------------
@@ -175,6 +185,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=_int_at_least(0), help="linear warmup steps")
     p.add_argument("--eval-every", type=_int_at_least(1), help="validate every N steps (and at the end)")
     p.add_argument("--eval-batches", type=_int_at_least(1), help="validation batches per evaluation")
+    p.add_argument("--val-tokens", type=_int_at_least(0),
+                   help="the run's last evaluation covers at least this many held-out tokens (the same windows in "
+                        "every run; its standard error is reported); 0: --eval-batches (default: the preset's, "
+                        f"{VAL_TOKENS:,} for small and up)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="bit-reproducible runs: the step compiled with XLA's deterministic ops and attention run by "
+                        "XLA instead of cuDNN (jax_fp4.determinism); summary.json records a checksum of the model")
     p.add_argument("--log-every", type=_int_at_least(1), help="a curves.csv row (train loss, tokens/s) every N steps")
     p.add_argument("--ckpt-every", type=_int_at_least(0), help="checkpoint every N steps (0: only at the end)")
     p.add_argument("--arch", choices=lm_model.ARCHS, help="block kind (default: the preset's; gpt for tiny / small / "
@@ -224,7 +241,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     v = dict(PRESETS[args.preset])
     for k in ("steps", "batch", "seq", "d_model", "layers", "lr", "warmup", "eval_every", "eval_batches", "log_every",
-              "ckpt_every", "scan", "corpus", "arch", "kv_heads", "mlp_hidden", "remat", "tokenizer", "vocab"):
+              "ckpt_every", "scan", "corpus", "arch", "kv_heads", "mlp_hidden", "remat", "tokenizer", "vocab",
+              "val_tokens"):
         if getattr(args, k) is not None:
             v[k] = getattr(args, k)
     args.corpus = v.get("corpus", "stdlib")
@@ -249,6 +267,7 @@ def parse_args(argv=None):
         d_model=v["d_model"], n_layers=v["layers"], n_heads=args.heads or max(v["d_model"] // v["head_dim"], 1),
         seq=v["seq"], scan_layers=v["scan"], arch=v.get("arch", "gpt"), kv_heads=v.get("kv_heads", 0),
         mlp_hidden=v.get("mlp_hidden", 0), remat=v.get("remat", "none"),
+        attention="xla" if args.deterministic else "auto",
         vocab=v.get("vocab", 32768) if args.tokenizer == "bpe" else lm_model.VOCAB, **moe)
     for problem in model.validate():
         parser.error(problem)
@@ -265,7 +284,8 @@ def parse_args(argv=None):
     cfg = RunConfig(model=model, batch=v["batch"], steps=v["steps"], lr=v["lr"], warmup=v["warmup"],
                     eval_every=v["eval_every"], eval_batches=v["eval_batches"], log_every=v["log_every"],
                     ckpt_every=v["ckpt_every"], seed=args.seed, mesh=args.mesh,
-                    fsdp_reduce=args.fsdp_reduce or "float32")
+                    fsdp_reduce=args.fsdp_reduce or "float32", deterministic=args.deterministic,
+                    final_eval_batches=-(-v.get("val_tokens", 0) // (v["batch"] * v["seq"])))
     args.out = args.out if args.out is not None else Path("runs") / args.preset
     names = (["bf16"] + sorted(n for n in recipes.RECIPES if n != "bf16") if args.compare else
              args.recipes if args.recipes else [args.recipe])

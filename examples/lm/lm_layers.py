@@ -3,7 +3,8 @@ sharding annotations and activation checkpointing (remat) policies.
 
 LlamaBlock (the ``arch="llama"`` block): x + out(attention(qkv(RMSNorm(x)))), then x + down(SwiGLU(up(RMSNorm(x)))),
 no biases, grouped-query attention (``kv_heads`` key / value heads shared by n_heads / kv_heads query heads each),
-rotary positions on q and k, `jax.nn.dot_product_attention` (cuDNN's fused kernel on a GPU). qkv, out, up and down
+rotary positions on q and k, `jax.nn.dot_product_attention` (cuDNN's fused kernel on a GPU; XLA's with
+``attention="xla"``, as `--deterministic` sets). qkv, out, up and down
 are `jax_fp4.flax.nnx.Dense` layers following the recipe; the norms, rope, attention and SwiGLU run in bfloat16.
 Column orders chosen so that a column shard over "tensor" holds whole heads and whole SwiGLU pairs:
   * qkv [d, (n_heads + 2 kv_heads) * head_dim]: kv-group major: for each kv group g, its n_heads / kv_heads query
@@ -31,6 +32,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from lm_mesh import heads_sharding, param_axes
 
+from jax_fp4 import determinism
 from jax_fp4.dense import RESIDUAL_NAMES
 from jax_fp4.flax import nnx as fnnx
 
@@ -50,9 +52,16 @@ def remat_policy(name: str):
     raise ValueError(f"remat must be one of {REMAT}, got {name!r}")
 
 
-def attention_implementation():
-    """"cudnn" (the fused flash-attention kernel) when the default backend is a GPU, else None (XLA's)."""
-    return "cudnn" if jax.default_backend() == "gpu" else None
+ATTENTION = ("auto", "xla")  # ModelConfig.attention
+
+
+def attention_implementation(choice: str = "auto"):
+    """The `jax.nn.dot_product_attention` implementation of ModelConfig.attention `choice`: "auto": "cudnn" (the
+    fused flash-attention kernel) when the default backend is a GPU, else None (XLA's); "xla": XLA's everywhere (what
+    `--deterministic` takes: `jax_fp4.determinism.attention_implementation`)."""
+    if choice not in ATTENTION:
+        raise ValueError(f"attention must be one of {ATTENTION}, got {choice!r}")
+    return determinism.attention_implementation(choice == "xla")
 
 
 def rope(x, base):
@@ -71,12 +80,14 @@ def annotate(init, kind, mesh):
     return init if mesh is None else nnx.with_partitioning(init, param_axes(kind, mesh), mesh=mesh)
 
 
-def attention(q, k, v, mesh):
+def attention(q, k, v, mesh, implementation: str = "auto"):
     """Causal attention of q [B, T, H, Dh] over k, v [B, T, KV, Dh] (H a multiple of KV: grouped queries), bfloat16
-    [B, T, H, Dh]; with a mesh q, k, v are constrained to heads split over "tensor"."""
+    [B, T, H, Dh]; with a mesh q, k, v are constrained to heads split over "tensor". implementation: ATTENTION (see
+    `attention_implementation`)."""
     if mesh is not None:
         q, k, v = (jax.lax.with_sharding_constraint(a, heads_sharding(mesh)) for a in (q, k, v))
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_implementation())
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                        implementation=attention_implementation(implementation))
 
 
 def _gemm_input(layer, h):
@@ -111,7 +122,7 @@ class LlamaBlock(nnx.Module):
         q = qkv[:, :, :, :-2].reshape(b, t, h, dh)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
         q, k = rope(q, self.cfg.rope_base), rope(k, self.cfg.rope_base)
-        a = attention(q, k, v, self.mesh).reshape(b, t, h * dh)
+        a = attention(q, k, v, self.mesh, self.cfg.attention).reshape(b, t, h * dh)
         x = x + self.out(_gemm_input(self.out, a))
         y = self.mlp_norm(x)
         u = self.up(_gemm_input(self.up, y)).reshape(b, t, -1, 2, SWIGLU_CHUNK)
@@ -119,5 +130,5 @@ class LlamaBlock(nnx.Module):
         return x + self.down(_gemm_input(self.down, g)), jnp.zeros((), jnp.float32)
 
 
-__all__ = ["REMAT", "GEMM_INPUT", "remat_policy", "attention_implementation", "rope", "annotate", "attention",
+__all__ = ["REMAT", "ATTENTION", "GEMM_INPUT", "remat_policy", "attention_implementation", "rope", "annotate", "attention",
            "LlamaBlock"]

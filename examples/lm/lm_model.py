@@ -65,9 +65,10 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from lm_layers import REMAT, LlamaBlock, annotate, attention, remat_policy, rope
+from lm_layers import ATTENTION, REMAT, LlamaBlock, annotate, attention, remat_policy, rope
 from lm_mesh import batch_sharding, layer_recipe, state_shardings
 
+from jax_fp4 import determinism
 from jax_fp4.flax import diagnostics as fdiag
 from jax_fp4.flax import nnx as fnnx
 from jax_fp4.flax import policy as fpolicy
@@ -97,6 +98,7 @@ class ModelConfig:
     kv_heads: int = 0  # llama: key / value heads (0: n_heads)
     mlp_hidden: int = 0  # the MLP width (0: mlp_ratio x d_model)
     remat: str = "none"  # activation checkpointing per block: lm_layers.REMAT
+    attention: str = "auto"  # lm_layers.ATTENTION: "auto" (cuDNN's fused kernel on a GPU) or "xla" (deterministic)
 
     @property
     def moe(self) -> bool:
@@ -137,6 +139,8 @@ class ModelConfig:
             errs.append("mixture-of-experts MLPs need the gpt block")
         if self.remat not in REMAT:
             errs.append(f"remat {self.remat!r} must be one of {REMAT}")
+        if self.attention not in ATTENTION:
+            errs.append(f"attention {self.attention!r} must be one of {ATTENTION}")
         return errs
 
 
@@ -182,7 +186,7 @@ class Block(nnx.Module):
         h, dh = self.cfg.n_heads, self.cfg.head_dim
         q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * h, dh), 3, axis=2)
         q, k = rope(q, self.cfg.rope_base), rope(k, self.cfg.rope_base)
-        a = attention(q, k, v, self.mesh)
+        a = attention(q, k, v, self.mesh, self.cfg.attention)
         x = x + self.out(a.reshape(b, t, d))
         if self.cfg.moe:
             y, aux = self.mlp(x, return_aux_loss=True)
@@ -322,12 +326,15 @@ def make_model(cfg: ModelConfig, recipe: Recipe, seed: int, mesh=None, segments=
 
 
 def loss_terms(model: GPT, batch):
-    """(objective, (cross-entropy, aux)) of batch uint8/int32 [B, T + 1]: the mean next-byte cross-entropy (nats),
-    the blocks' mean MoE load-balancing loss aux (0 without MoE), objective = cross-entropy + moe_aux_weight * aux."""
+    """(objective, (cross-entropy, aux, per-sequence cross-entropy)) of batch uint8/int32 [B, T + 1]: the mean
+    next-token cross-entropy (nats), the blocks' mean MoE load-balancing loss aux (0 without MoE), objective =
+    cross-entropy + moe_aux_weight * aux; the per-sequence cross-entropy float32 [B] (each sequence's mean over its T
+    tokens: the samples of the validation loss's standard error)."""
     batch = batch.astype(jnp.int32)
     logits, aux = model(batch[:, :-1], return_aux_loss=True)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-    return (ce + model.cfg.moe_aux_weight * aux if model.cfg.moe else ce), (ce, aux)
+    tokens = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
+    ce = tokens.mean()
+    return (ce + model.cfg.moe_aux_weight * aux if model.cfg.moe else ce), (ce, aux, tokens.mean(axis=1))
 
 
 def loss_fn(model: GPT, batch):
@@ -361,12 +368,16 @@ def make_optimizer(o: OptConfig) -> optax.GradientTransformation:
                        optax.adamw(schedule, b1=0.9, b2=o.b2, weight_decay=o.weight_decay, mask=decay_mask))
 
 
-def make_train_step(graphdef, state=None, mesh=None, diagnostics: bool = False):
-    """train_step(state, batch) -> (state, {"loss", "aux_loss"}): ONE jax.jit of forward, backward (quantized GEMMs
-    per the recipe, fresh stochastic-rounding keys from the layers' rng streams, whose counters live in `state`),
-    clipping and the AdamW update, on the functional state (model, optimizer) of `nnx.split`. loss: the cross-entropy,
-    aux_loss: the mean MoE load-balancing loss (0 without MoE), both of the parameters before the update (the gradient
-    is that of `loss_fn`, which adds the weighted aux_loss); the input state's buffers are donated.
+def make_train_step(graphdef, state=None, mesh=None, diagnostics: bool = False, deterministic: bool = False):
+    """train_step(state, batch) -> (state, {"loss", "aux_loss", "seq_loss"}): ONE jax.jit of forward, backward
+    (quantized GEMMs per the recipe, fresh stochastic-rounding keys from the layers' rng streams, whose counters live
+    in `state`), clipping and the AdamW update, on the functional state (model, optimizer) of `nnx.split`. loss: the
+    cross-entropy, aux_loss: the mean MoE load-balancing loss (0 without MoE), seq_loss: float32 [B], each
+    sequence's cross-entropy, all of the parameters before the update (the gradient is that of `loss_fn`, which adds
+    the weighted aux_loss); the input state's buffers are donated.
+
+    deterministic: compile with `jax_fp4.determinism.compiler_options()` (XLA's deterministic ops; the model's
+    attention must then be "xla": `ModelConfig.attention`), so two runs of the step give the same bits.
 
     diagnostics: the step also returns {layer path: float32 [..., 6, 6]}, the quantization statistics of every
     jax_fp4 Dense layer's six GEMM operands (`jax_fp4.flax.diagnostics.value_and_grad`; the same update).
@@ -377,32 +388,35 @@ def make_train_step(graphdef, state=None, mesh=None, diagnostics: bool = False):
     def train(state, batch):
         model, opt = nnx.merge(graphdef, state)
         if diagnostics:
-            (_, (ce, aux)), grads, stats = fdiag.value_and_grad(loss_terms, has_aux=True)(model, batch)
+            (_, (ce, aux, seq)), grads, stats = fdiag.value_and_grad(loss_terms, has_aux=True)(model, batch)
         else:
-            (_, (ce, aux)), grads = nnx.value_and_grad(loss_terms, has_aux=True)(model, batch)
+            (_, (ce, aux, seq)), grads = nnx.value_and_grad(loss_terms, has_aux=True)(model, batch)
         opt.update(model, grads)
-        losses = {"loss": ce, "aux_loss": aux}
+        losses = {"loss": ce, "aux_loss": aux, "seq_loss": seq}
         return (nnx.state((model, opt)), losses, stats) if diagnostics else (nnx.state((model, opt)), losses)
 
+    opts = determinism.compiler_options(deterministic) or None
     if mesh is None:
-        return jax.jit(train, donate_argnums=0)
+        return jax.jit(train, donate_argnums=0, compiler_options=opts)
     shardings = state_shardings(state, mesh)
     rep = NamedSharding(mesh, P())  # P(): every loss and statistic
     return jax.jit(train, in_shardings=(shardings, batch_sharding(mesh)),
-                   out_shardings=(shardings, rep, rep) if diagnostics else (shardings, rep), donate_argnums=0)
+                   out_shardings=(shardings, rep, rep) if diagnostics else (shardings, rep), donate_argnums=0,
+                   compiler_options=opts)
 
 
-def build(cfg: ModelConfig, recipe: Recipe, opt_cfg: OptConfig, seed: int, mesh=None, fsdp_reduce="float32"):
+def build(cfg: ModelConfig, recipe: Recipe, opt_cfg: OptConfig, seed: int, mesh=None, fsdp_reduce="float32",
+          deterministic: bool = False):
     """(graphdef, state, train_step) of a fresh model and its AdamW state; with a mesh, the state is placed on it
     (see make_train_step) and the step is the sharded one (fsdp > 1: `lm_mesh.layer_recipe` for every quantized
-    layer, fsdp_reduce its reduce_dtype)."""
+    layer, fsdp_reduce its reduce_dtype); deterministic: see make_train_step."""
     model = make_model(cfg, recipe, seed, mesh)
     _shard_layers(model, mesh, fsdp_reduce)
     opt = nnx.Optimizer(model, make_optimizer(opt_cfg), wrt=nnx.Param)
     graphdef, state = nnx.split((model, opt))
     if mesh is not None:
         state = jax.device_put(state, state_shardings(state, mesh))
-    return graphdef, state, make_train_step(graphdef, state, mesh)
+    return graphdef, state, make_train_step(graphdef, state, mesh, deterministic=deterministic)
 
 
 @dataclasses.dataclass
@@ -419,7 +433,7 @@ class Phases:
 
 
 def build_phases(cfg: ModelConfig, recipe: Recipe, policies, opt_cfg: OptConfig, seed: int, mesh=None,
-                 fsdp_reduce: str = "float32") -> Phases:
+                 fsdp_reduce: str = "float32", deterministic: bool = False) -> Phases:
     """A fresh model and AdamW state trained with `recipe`, the layers' recipes set per phase by `policies` (a
     sequence of `jax_fp4.policy.Policy`, e.g. the two phases of a `jax_fp4.schedule.PrecisionSwitch`).
 
@@ -428,7 +442,8 @@ def build_phases(cfg: ModelConfig, recipe: Recipe, policies, opt_cfg: OptConfig,
     `expert_recipe`. A phase whose recipe needs stochastic rounding where the model's does not gets rng streams
     seeded from seed + 2 (unscanned blocks; a scanned stack must be built with such a recipe). On a mesh with
     fsdp > 1 every quantized layer runs `lm_mesh.layer_recipe` of its recipe (quantized weight gathers; fsdp_reduce:
-    the reduce_dtype, "float32" or "output").
+    the reduce_dtype, "float32" or "output"). deterministic: the steps are compiled with XLA's deterministic ops
+    (`make_train_step`).
 
     Raises:
       jax_fp4.policy.UnmatchedRuleError: a rule matches no layer.
@@ -450,8 +465,9 @@ def build_phases(cfg: ModelConfig, recipe: Recipe, policies, opt_cfg: OptConfig,
         state = st
     if mesh is not None:
         state = jax.device_put(state, state_shardings(state, mesh))
-    return Phases(graphdefs, state, [make_train_step(g, state, mesh) for g in graphdefs],
-                  [make_train_step(g, state, mesh, diagnostics=True) for g in graphdefs], tables)
+    return Phases(graphdefs, state, [make_train_step(g, state, mesh, deterministic=deterministic) for g in graphdefs],
+                  [make_train_step(g, state, mesh, diagnostics=True, deterministic=deterministic) for g in graphdefs],
+                  tables)
 
 
 def block_layers(cfg: ModelConfig, recipe: Recipe) -> list[str]:

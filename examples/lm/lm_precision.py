@@ -1,4 +1,5 @@
-"""Precision control for train_lm.py: policy, switch and diagnostics flags, run names, MFU, seed-averaged gaps.
+"""Precision control for train_lm.py: policy, switch and diagnostics flags, run names and MFU (the gaps over seeds:
+lm_stats.py).
 
 Flags (added to train_lm's parser by `add_arguments`):
   --bf16-first N / --bf16-last N / --bf16-last-fraction F   those transformer blocks in BF16
@@ -17,13 +18,7 @@ switch (nothing to change), so "bf16" stays the baseline's name; other runs are 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
-import math
 import re
-from pathlib import Path
-
-import numpy as np
 
 from jax_fp4 import policy as qpolicy
 from jax_fp4 import recipes
@@ -158,51 +153,3 @@ def run_name(recipe_name: str, args, seed: int | None = None) -> str:
             tags.append(f"switch{args.switch_at:g}-{args.switch_to or 'bf16'}-{args.switch_scope or 'fwd'}")
     name = re.sub(r"[^A-Za-z0-9._@+-]+", "_", "+".join([recipe_name, *tags]))
     return name if seed is None else f"{name}@s{seed}"
-
-
-def split_name(name: str) -> tuple[str, int | None]:
-    """(configuration, seed) of a run name ("x@s3" -> ("x", 3); "x" -> ("x", None))."""
-    m = re.fullmatch(r"(.*)@s(-?\d+)", name)
-    return (m[1], int(m[2])) if m else (name, None)
-
-
-def seed_gaps(summaries: dict) -> dict:
-    """{configuration: {"seeds", "gaps_pct", "mean_pct", "std_pct", "min_pct", "max_pct", "val_loss_mean"}} over the
-    seeded runs of `summaries` ({run name: summary}): each gap against the bf16 run of the same seed."""
-    ref = {split_name(n)[1]: s["val_loss"] for n, s in summaries.items() if split_name(n)[0] == "bf16"}
-    by_cfg: dict = {}
-    for n, s in summaries.items():
-        cfg, seed = split_name(n)
-        if seed is None:
-            continue
-        by_cfg.setdefault(cfg, {})[seed] = s["val_loss"]
-    out = {}
-    for cfg, vals in by_cfg.items():
-        seeds = sorted(s for s in vals if s in ref)
-        gaps = [100 * (vals[s] / ref[s] - 1) for s in seeds]
-        if not gaps:
-            continue
-        g = np.asarray(gaps)
-        out[cfg] = {"seeds": seeds, "gaps_pct": gaps, "mean_pct": float(g.mean()),
-                    "std_pct": float(g.std(ddof=1)) if g.size > 1 else math.nan, "min_pct": float(g.min()),
-                    "max_pct": float(g.max()), "val_loss_mean": float(np.mean([vals[s] for s in seeds]))}
-    return out
-
-
-def format_gaps(gaps: dict) -> str:
-    lines = [f"{'configuration':<48} {'seeds':>5} {'val loss':>9} {'gap mean':>9} {'std':>6} {'min':>7} {'max':>7}"]
-    for cfg, g in gaps.items():
-        lines.append(f"{cfg:<48} {len(g['seeds']):>5} {g['val_loss_mean']:>9.4f} {g['mean_pct']:>+8.2f}% "
-                     f"{g['std_pct']:>6.2f} {g['min_pct']:>+6.2f}% {g['max_pct']:>+6.2f}%")
-    return "\n".join(lines)
-
-
-def write_gaps(out: Path, gaps: dict):
-    (out / "gaps.json").write_text(json.dumps(gaps, indent=1))
-    with (out / "gaps.csv").open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["configuration", "seeds", "val_loss_mean", "gap_mean_pct", "gap_std_pct", "gap_min_pct",
-                    "gap_max_pct"])
-        for cfg, g in gaps.items():
-            w.writerow([cfg, " ".join(map(str, g["seeds"])), g["val_loss_mean"], g["mean_pct"], g["std_pct"],
-                        g["min_pct"], g["max_pct"]])

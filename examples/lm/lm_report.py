@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import jax
-import lm_precision
+import lm_stats
 import numpy as np
 
 from jax_fp4.diagnostics import OPERANDS, STATS
@@ -121,7 +121,7 @@ def format_table(summaries: dict) -> str:
     there were some, and the wall time (everything, compiles included) of each run; with MoE runs, the last logged
     load-balancing loss too."""
     def ref(name):
-        seed = lm_precision.split_name(name)[1]
+        seed = lm_stats.split_name(name)[1]
         return summaries.get("bf16" if seed is None else f"bf16@s{seed}")
 
     aux = any(s.get("aux_loss") is not None for s in summaries.values())

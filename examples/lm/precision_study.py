@@ -4,8 +4,11 @@ configuration's validation-loss gap to bf16 reported as the mean over seeds with
 Every (configuration, seed) run is one `train_lm.py` process with its own output directory; `--per-gpu` runs share
 a GPU at a time (small models do not fill an H100, so two or three share one well; their tokens/s are then not
 comparable, only the losses are). bf16 runs once per seed and is the reference of every gap of that seed. At the
-end the runs' summaries are merged, the gaps computed (`lm_precision.seed_gaps`: each seed against bf16 of the same
-seed) and written to OUT/gaps.csv, OUT/gaps.json and OUT/summary.json, with a table on stdout.
+end the runs' summaries are merged (keyed "<configuration>@s<seed>"), the gaps computed (`lm_stats.seed_gaps`: each
+seed paired with bf16 of the same seed; the mean over seeds with its 95 % Student-t interval, the evaluation noise
+and the same-seed spread of `--repeats`) and written to OUT/gaps.csv, OUT/gaps.json, OUT/gaps.png and
+OUT/summary.json, with a table on stdout. A gap whose interval contains 0 is reported as unresolved.
+`--deterministic` runs every run bit-reproducibly (train_lm --deterministic).
 
     python examples/lm/precision_study.py --preset small --seeds 0 1 2 --per-gpu 3 --out runs/study
     python examples/lm/precision_study.py --preset tiny --steps 20 --seeds 0 1 2 --configs nvfp4-fwd-mxfp8-bwd \
@@ -28,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import lm_precision  # noqa: E402
+import lm_stats  # noqa: E402
 
 # name -> (recipe, train_lm flags). The remedies are those of arXiv 2509.25149: high-precision last blocks, and a
 # switch of the forward GEMMs to bf16 for the last 10 % of training.
@@ -61,9 +64,11 @@ def _gpu_count() -> int:
     return sum(line.startswith("GPU ") for line in out.splitlines())
 
 
-def _jobs(configs: list[str], seeds: list[int]) -> list[tuple[str, str, list[str], int]]:
-    """(tag, recipe, flags, seed) per run; bf16 first for every seed, then the configurations."""
+def _jobs(configs: list[str], seeds: list[int], repeats: int = 0) -> list[tuple[str, str, list[str], int]]:
+    """(tag, recipe, flags, seed) per run; bf16 first for every seed, then its `repeats` same-seed repeats of the
+    first seed ("bf16+repeat<k>", the same-seed spread), then the configurations seed by seed."""
     jobs = [("bf16", "bf16", [], s) for s in seeds]
+    jobs += [(f"bf16+repeat{k}", "bf16", [], seeds[0]) for k in range(1, repeats + 1)]
     jobs += [(c, *CONFIGS[c], s) for s in seeds for c in configs]
     return jobs
 
@@ -86,6 +91,8 @@ def _worker(q: queue.Queue, gpu: int | None, mem_fraction: float, args, extra: l
                "--out", str(out), "--no-progress", *flags, *extra]
         if args.steps:
             cmd += ["--steps", str(args.steps)]
+        if args.deterministic:
+            cmd.append("--deterministic")
         env = dict(os.environ)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -112,6 +119,10 @@ def main(argv=None):
     p.add_argument("--per-gpu", type=int, default=1, help="concurrent runs per GPU")
     p.add_argument("--gpus", type=lambda s: [int(g) for g in s.split(",")], default=None,
                    help="comma-separated GPU ids to use (default: every GPU nvidia-smi lists)")
+    p.add_argument("--repeats", type=int, default=0, metavar="K",
+                   help="run bf16 of the first seed K more times (bf16+repeat<k>): the same-seed spread")
+    p.add_argument("--deterministic", action="store_true",
+                   help="every run with train_lm --deterministic (bit-reproducible; the same-seed spread is 0)")
     p.add_argument("--out", type=Path, default=Path("runs/study"))
     args, extra = p.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
@@ -120,7 +131,7 @@ def main(argv=None):
     if unknown:
         p.error(f"unknown configuration(s) {unknown}; known: {list(CONFIGS)}")
     q: queue.Queue = queue.Queue()
-    for job in _jobs(configs, args.seeds):
+    for job in _jobs(configs, args.seeds, args.repeats):
         q.put(job)
     gpus = args.gpus if args.gpus is not None else list(range(_gpu_count()))
     slots = [(g, 0.9 / args.per_gpu) for g in gpus for _ in range(args.per_gpu)] or [(None, 0.0)]
@@ -132,17 +143,21 @@ def main(argv=None):
         time.sleep(2)  # stagger the start-ups (corpus loading, compiles)
     for t in threads:
         t.join()
-    merged = {}
+    merged = {}  # {"<configuration>@s<seed>": summary}: each run's directory names it
     for summary in sorted((args.out / "runs").glob("*/summary.json")):
-        merged.update(json.loads(summary.read_text()))
+        runs = json.loads(summary.read_text())
+        if len(runs) == 1:
+            merged[summary.parent.name] = next(iter(runs.values()))
     (args.out / "summary.json").write_text(json.dumps(merged, indent=1))
-    gaps = lm_precision.seed_gaps(merged)
-    lm_precision.write_gaps(args.out, gaps)
+    gaps = lm_stats.seed_gaps(merged)
+    lm_stats.write_gaps(args.out, gaps)
+    lm_stats.plot_gaps(args.out, gaps, f"--preset {args.preset}, seeds {' '.join(map(str, args.seeds))}"
+                       + (", deterministic" if args.deterministic else ""))
     failed = [(t, s, rc) for t, s, rc, _ in done if rc != 0]
     print(f"\n{len(done)} runs in {time.time() - t0:.0f} s over {len(slots)} slot(s)"
           + (f"; FAILED: {failed} (see {args.out}/runs/<run>/train.log)" if failed else ""))
     print(f"gap to bf16 over seeds ({args.out / 'gaps.csv'}):")
-    print(lm_precision.format_gaps(gaps))
+    print(lm_stats.format_gaps(gaps))
     return 1 if failed else 0
 
 

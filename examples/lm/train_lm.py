@@ -69,7 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fp4 import recipes
+from jax_fp4 import determinism, recipes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, also under python -P
 import lm_checkpoint  # noqa: E402
@@ -79,6 +79,7 @@ import lm_mesh  # noqa: E402
 import lm_model  # noqa: E402
 import lm_precision  # noqa: E402
 import lm_report  # noqa: E402
+import lm_stats  # noqa: E402
 import lm_tokenizer  # noqa: E402
 from lm_config import RunConfig, make_parser, parse_args  # noqa: E402
 
@@ -96,6 +97,8 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     that step (a checkpoint is written there). collectives: summary["collectives"] = `lm_collectives.collective_bytes`
     of the first phase's compiled step."""
     from tqdm.auto import tqdm
+
+    from flax import nnx
 
     from jax_fp4 import policy as qpolicy
 
@@ -117,7 +120,7 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     switch = switch if len(policies) > 1 else None
     ph = lm_model.build_phases(cfg.model, recipe, policies, lm_model.OptConfig(lr=cfg.lr, warmup=cfg.warmup,
                                                                                  steps=cfg.steps), cfg.seed, mesh,
-                               cfg.fsdp_reduce)
+                               cfg.fsdp_reduce, deterministic=cfg.deterministic)
     state = ph.state
     if policy.rules or switch is not None:
         for i, table in enumerate(ph.tables):
@@ -128,13 +131,15 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     switch_desc = None if switch is None else switch.describe(cfg.steps)
     tokens = cfg.batch * cfg.model.seq
     val = lm_data.val_batches(corpus, cfg.eval_batches, cfg.batch, cfg.model.seq)
+    final_val = lm_data.val_batches(corpus, cfg.final_eval_batches, cfg.batch, cfg.model.seq)
 
-    def evaluate(state, step):
+    def evaluate(state, step, batches=val):
         # The training step's loss is that of the parameters before its update: run it on a copy of the state (the
         # step donates its input) and drop the update. One compiled program per recipe instead of two (on the CPU a
-        # separate forward program costs as much XLA compile time as the whole step).
-        losses = [ph.steps[phase_of(step)](jax.tree.map(jnp.copy, state), b)[1]["loss"] for b in val]
-        return float(np.mean([float(v) for v in losses]))
+        # separate forward program costs as much XLA compile time as the whole step). Returns the per-sequence
+        # losses; their mean is the validation loss (every sequence has seq tokens).
+        losses = [ph.steps[phase_of(step)](jax.tree.map(jnp.copy, state), b)[1]["seq_loss"] for b in batches]
+        return np.concatenate([np.asarray(v, np.float64) for v in losses])
 
     hlo = None
     if collectives:  # the compiled step's collectives, before the state is donated to the first step
@@ -209,8 +214,10 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
         dt = time.perf_counter() - t0
         timed["seconds"] += dt
         timed["steps"] += interval
+        if ev:  # the last evaluation of the run uses the final validation set (cfg.final_eval_batches)
+            seq_losses = evaluate(state, step, final_val if done else val)
         row = {"step": step + 1, "recipe": run, "train_loss": train_loss,
-               "val_loss": evaluate(state, step) if ev else None,
+               "val_loss": float(seq_losses.mean()) if ev else None,
                "tokens_per_s": interval * tokens / dt if interval else None, "aux_loss": aux_loss, "phase": phase}
         rows.append(row)
         if not math.isfinite(train_loss) and all(map(math.isfinite, (r["train_loss"] for r in rows[:-1]))):
@@ -230,15 +237,21 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     mgr.wait_until_finished()
     mgr.close()
 
-    last_val = next((r["val_loss"] for r in reversed(rows) if r["val_loss"] is not None), None)
     if start >= cfg.steps:
         print(f"{run}: the checkpoint is at step {start} >= --steps {cfg.steps}; nothing to train")
-    if last_val is None:
-        last_val = evaluate(state, max(start, stop) - 1)
+    if not (stop == cfg.steps and start < stop):  # stopped early or resumed at the end: evaluate the state as it is
+        seq_losses = evaluate(state, max(start, stop) - 1, final_val)
+    last_val = float(seq_losses.mean())
     step_s = timed["seconds"] / timed["steps"] if timed["steps"] else math.nan
     summary = {"recipe": run, "steps": max(start, stop), "val_loss": last_val,
                "bits_per_byte": last_val / math.log(2) / corpus.bytes_per_token, "tokens_per_s": tokens / step_s,
                "step_ms": 1e3 * step_s, "wall_s": time.perf_counter() - wall, "seed": cfg.seed}
+    # the validation loss's own noise: its standard error over the final validation set's sequences, and the
+    # per-sequence losses themselves (lm_precision pairs them across runs for the evaluation noise of a gap)
+    summary.update(val_tokens=int(seq_losses.size * cfg.model.seq), val_loss_se=lm_stats.standard_error(
+        seq_losses), val_seq_losses=[round(float(v), 6) for v in seq_losses], deterministic=cfg.deterministic)
+    if cfg.deterministic:  # two deterministic runs of one configuration end with the same parameter bits
+        summary["model_sha256"] = determinism.checksum(nnx.to_pure_dict(state)[0])  # parameters and rng streams
     peak = lm_precision.peak_flops(jax.devices()[0].device_kind)
     n_dev = 1 if cfg.mesh is None else math.prod(cfg.mesh)
     summary["mfu"] = (lm_model.flops_per_token(cfg.model) * tokens / step_s / (peak * n_dev)
@@ -333,10 +346,11 @@ def main(argv=None) -> dict:
             " (an earlier run's in this process; this run's is at most that)" if sm.get("peak_set_by_earlier_run")
             else ""))
     if args.seeds:
-        gaps = lm_precision.seed_gaps(merged)
-        lm_precision.write_gaps(args.out, gaps)
+        gaps = lm_stats.seed_gaps(merged)
+        lm_stats.write_gaps(args.out, gaps)
+        lm_stats.plot_gaps(args.out, gaps, f"{args.preset}: {m.arch}, d_model {m.d_model}, {m.n_layers} layers")
         print(f"\ngap to bf16 over seeds (each seed against bf16 of the same seed; {args.out / 'gaps.csv'}):")
-        print(lm_precision.format_gaps(gaps))
+        print(lm_stats.format_gaps(gaps))
     print(f"\ncurves: {args.out / 'curves.csv'}, {args.out / 'curves.png'}; checkpoints: {args.out / 'checkpoints'}"
           + (f"; diagnostics: {args.out / 'diagnostics.csv'}, {args.out / 'diagnostics.png'}" if args.diagnostics
              else ""))
