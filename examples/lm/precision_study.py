@@ -117,6 +117,9 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from: {', '.join(CONFIGS)}")
     p.add_argument("--per-gpu", type=int, default=1, help="concurrent runs per GPU")
+    p.add_argument("--mem-fraction", type=float, default=None, metavar="F",
+                   help="each run's share of its GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.9 / "
+                        "--per-gpu); lower it when other programs share the GPUs")
     p.add_argument("--gpus", type=lambda s: [int(g) for g in s.split(",")], default=None,
                    help="comma-separated GPU ids to use (default: every GPU nvidia-smi lists)")
     p.add_argument("--repeats", type=int, default=0, metavar="K",
@@ -134,7 +137,8 @@ def main(argv=None):
     for job in _jobs(configs, args.seeds, args.repeats):
         q.put(job)
     gpus = args.gpus if args.gpus is not None else list(range(_gpu_count()))
-    slots = [(g, 0.9 / args.per_gpu) for g in gpus for _ in range(args.per_gpu)] or [(None, 0.0)]
+    share = args.mem_fraction if args.mem_fraction is not None else 0.9 / args.per_gpu
+    slots = [(g, share) for g in gpus for _ in range(args.per_gpu)] or [(None, 0.0)]
     done: list = []
     t0 = time.time()
     threads = [threading.Thread(target=_worker, args=(q, g, f, args, extra, done)) for g, f in slots]
