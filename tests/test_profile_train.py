@@ -57,6 +57,8 @@ def test_executions_follow_train_lm_arguments():
     # tiny: 80 steps, evaluations of 4 batches at 20, 40, 60, 80
     assert pt.executions_of(["--preset", "tiny"]) == 80 + 4 * 4
     assert pt.executions_of(["--preset", "tiny", "--steps", "30"]) == 30 + 4 * 2  # at 20 and at the end
+    # small: 8 batches at step 250, the last evaluation over 2^20 tokens (128 batches of 32 x 256)
+    assert pt.executions_of(["--preset", "small", "--steps", "500"]) == 500 + 8 + 128
 
 
 def test_arguments_are_checked():

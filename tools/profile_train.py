@@ -130,13 +130,14 @@ def step_kernels(xplane_path: str, device: int = 0):
 
 
 def executions_of(train_args: list[str]) -> int:
-    """The step program's runs per recipe that train_lm's arguments ask for: steps + eval batches x evaluations."""
+    """The step program's runs per recipe that train_lm's arguments ask for: steps + eval batches x the evaluations
+    before the last + the last evaluation's batches (`RunConfig.final_eval_batches`)."""
     sys.path.insert(0, os.path.join(ROOT, "examples", "lm"))
     from lm_config import parse_args
 
     _, cfg, _ = parse_args(train_args)
-    evals = sum(1 for k in range(1, cfg.steps + 1) if k % cfg.eval_every == 0 or k == cfg.steps)
-    return cfg.steps + cfg.eval_batches * evals
+    evals = sum(1 for k in range(1, cfg.steps) if k % cfg.eval_every == 0)
+    return cfg.steps + cfg.eval_batches * evals + cfg.final_eval_batches
 
 
 def format_table(result: dict) -> str:

@@ -1,0 +1,108 @@
+"""examples/lm/lm_stats.py (gaps paired per seed, Student-t intervals, evaluation noise, same-seed spread) and the
+harness flags that feed it (--val-tokens, --deterministic, precision_study --repeats).
+
+Expected values are computed here from their definitions (numpy, and scipy's t quantile checked against the
+tabulated t_{0.975, 2} = 4.303), not copied from the code under test."""
+
+from __future__ import annotations
+
+import csv
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "lm"))
+
+import lm_stats  # noqa: E402
+
+
+def _run(val, seq=None, det=False):
+    return {"val_loss": val, "val_seq_losses": seq, "deterministic": det}
+
+
+def test_t_interval_and_standard_error():
+    x = [1.0, 2.0, 4.0]
+    mean, half = lm_stats.t_interval(x)
+    assert mean == pytest.approx(7 / 3)
+    assert half == pytest.approx(4.302653 * np.std(x, ddof=1) / math.sqrt(3), rel=1e-6)
+    assert lm_stats.standard_error([2.0, 4.0]) == pytest.approx(math.sqrt(2) / math.sqrt(2))
+    assert math.isnan(lm_stats.t_interval([1.0])[1]) and math.isnan(lm_stats.standard_error([1.0]))
+
+
+def test_seed_gaps_paired_interval_and_status():
+    rng = np.random.default_rng(0)
+    ref_seq = {s: rng.uniform(0.5, 1.5, 64) for s in range(3)}
+    summ = {}
+    for s in range(3):
+        summ[f"bf16@s{s}"] = _run(float(ref_seq[s].mean()), ref_seq[s].tolist())
+        d = rng.normal(0.02, 0.01, 64)  # a clear positive shift: resolved
+        summ[f"a@s{s}"] = _run(float((ref_seq[s] + d).mean()), (ref_seq[s] + d).tolist())
+        e = (-1) ** s * 0.01 + rng.normal(0, 1e-4, 64)  # +, -, +: an interval around 0
+        summ[f"b@s{s}"] = _run(float((ref_seq[s] + e).mean()), (ref_seq[s] + e).tolist())
+    summ["a@s7"] = _run(1.0)  # no bf16 of seed 7: left out
+    summ["bf16+repeat1@s0"] = _run(summ["bf16@s0"]["val_loss"] * 1.003)  # same-seed spread 0.3 %
+    g = lm_stats.seed_gaps(summ)
+    assert set(g) == {"bf16", "a", "b"} and g["a"]["seeds"] == [0, 1, 2]
+    gaps = np.array([100 * (summ[f"a@s{s}"]["val_loss"] / summ[f"bf16@s{s}"]["val_loss"] - 1) for s in range(3)])
+    half = 4.302653 * gaps.std(ddof=1) / math.sqrt(3)
+    assert g["a"]["mean_pct"] == pytest.approx(gaps.mean()) and g["a"]["ci_half_pct"] == pytest.approx(half, rel=1e-6)
+    assert g["a"]["ci_low_pct"] == pytest.approx(gaps.mean() - half) and g["a"]["resolved"]
+    assert not g["b"]["resolved"] and g["b"]["ci_low_pct"] < 0 < g["b"]["ci_high_pct"]
+    assert lm_stats.status(g["a"]) == "resolved" and lm_stats.status(g["b"]) == "unresolved"
+    # evaluation noise: per seed sd(d) / sqrt(64) / L_bf16, combined as sqrt(sum se^2) / n
+    se = [100 * np.std(np.subtract(summ[f"a@s{s}"]["val_seq_losses"], ref_seq[s]), ddof=1) / 8
+          / summ[f"bf16@s{s}"]["val_loss"] for s in range(3)]
+    assert g["a"]["eval_se_pct"] == pytest.approx(math.sqrt(sum(v * v for v in se)) / 3, rel=1e-9)
+    assert g["a"]["same_seed_spread_pct"] == pytest.approx(0.3, rel=1e-9)  # bf16's repeats
+    assert not g["a"]["deterministic"]
+    table = lm_stats.format_gaps(g)
+    assert "unresolved" in table and "reference" in table and f"{g['a']['ci_low_pct']:+.2f}" in table
+
+
+def test_one_seed_and_deterministic_runs(tmp_path):
+    summ = {"bf16@s0": _run(1.0, det=True), "x@s0": _run(1.02, det=True), "bf16+repeat1@s0": _run(1.0, det=True)}
+    g = lm_stats.seed_gaps(summ)
+    assert lm_stats.status(g["x"]) == "one seed" and not g["x"]["resolved"]
+    assert g["x"]["same_seed_spread_pct"] == 0.0 and g["x"]["deterministic"]
+    assert math.isnan(g["x"]["eval_se_pct"])  # no per-sequence losses
+    lm_stats.write_gaps(tmp_path, g)
+    rows = list(csv.DictReader((tmp_path / "gaps.csv").open()))
+    assert list(rows[0]) == list(lm_stats.FIELDS) and rows[1]["status"] == "one seed"
+    assert (tmp_path / "gaps.json").is_file()
+
+
+def test_plot_gaps(tmp_path):
+    pytest.importorskip("matplotlib")
+    summ = {"bf16@s0": _run(1.0), "bf16@s1": _run(1.1), "x@s0": _run(1.02), "x@s1": _run(1.13),
+            "y@s0": _run(0.99), "y@s1": _run(1.11), "bf16+repeat1@s0": _run(1.002)}
+    path = lm_stats.plot_gaps(tmp_path, lm_stats.seed_gaps(summ), "test")
+    assert path == tmp_path / "gaps.png" and path.stat().st_size > 1000
+
+
+def test_precision_study_jobs_and_flags():
+    import precision_study
+
+    jobs = precision_study._jobs(["nvfp4"], [3, 4], repeats=2)
+    assert [(t, s) for t, _, _, s in jobs] == [("bf16", 3), ("bf16", 4), ("bf16+repeat1", 3), ("bf16+repeat2", 3),
+                                               ("nvfp4", 3), ("nvfp4", 4)]
+    assert lm_stats.split_name("bf16+repeat2@s3") == ("bf16+repeat2", 3)
+
+
+def test_val_tokens_and_deterministic_flags():
+    pytest.importorskip("flax")
+    import lm_config
+
+    args, cfg, _ = lm_config.parse_args(["--preset", "small"])
+    assert cfg.final_eval_batches * cfg.batch * cfg.model.seq >= 2**20 and not cfg.deterministic
+    assert cfg.model.attention == "auto"
+    _, cfg, _ = lm_config.parse_args(["--val-tokens", "1000", "--eval-batches", "1", "--deterministic"])
+    assert cfg.final_eval_batches == math.ceil(1000 / (cfg.batch * cfg.model.seq)) and cfg.deterministic
+    assert cfg.model.attention == "xla"
+    # the attention implementation is how a step runs, not what it trains: checkpoints resume under either
+    _, plain, _ = lm_config.parse_args([])
+    assert cfg.resume_key()["model"] == plain.resume_key()["model"]
+    _, cfg, _ = lm_config.parse_args(["--eval-batches", "5", "--val-tokens", "0"])
+    assert cfg.final_eval_batches == 5
