@@ -132,6 +132,9 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     tokens = cfg.batch * cfg.model.seq
     val = lm_data.val_batches(corpus, cfg.eval_batches, cfg.batch, cfg.model.seq)
     final_val = lm_data.val_batches(corpus, cfg.final_eval_batches, cfg.batch, cfg.model.seq)
+    if corpus.val.size < cfg.final_eval_batches * cfg.batch * (cfg.model.seq + 1):
+        print(f"note: the validation split holds {corpus.val.size:,} tokens, fewer than the last evaluation's "
+              f"{cfg.final_eval_batches * cfg.batch * cfg.model.seq:,}: its windows overlap (lower --val-tokens)")
 
     def evaluate(state, step, batches=val):
         # The training step's loss is that of the parameters before its update: run it on a copy of the state (the
