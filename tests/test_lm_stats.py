@@ -106,3 +106,28 @@ def test_val_tokens_and_deterministic_flags():
     assert cfg.resume_key()["model"] == plain.resume_key()["model"]
     _, cfg, _ = lm_config.parse_args(["--eval-batches", "5", "--val-tokens", "0"])
     assert cfg.final_eval_batches == 5
+
+
+def test_gap_scaling(tmp_path, capsys):
+    import json
+
+    import gap_scaling
+
+    for name, params, gap in (("s", 7_000_000, 0.02), ("m", 85_000_000, 0.01)):
+        d = tmp_path / name
+        d.mkdir()
+        summ = {}
+        for seed, base in enumerate((1.0, 1.1, 1.05)):
+            summ[f"bf16@s{seed}"] = dict(_run(base), params=params)
+            summ[f"x@s{seed}"] = dict(_run(base * (1 + gap + 0.001 * seed)), params=params)
+        (d / "summary.json").write_text(json.dumps(summ))
+    rows = gap_scaling.main([str(tmp_path / "s"), str(tmp_path / "m"), "--out", str(tmp_path / "o")])
+    assert [(r["params"], r["status"]) for r in rows] == [(7_000_000, "resolved"), (85_000_000, "resolved")]
+    assert rows[0]["mean_pct"] == pytest.approx(2.1) and rows[1]["mean_pct"] == pytest.approx(1.1)
+    assert (tmp_path / "o" / "gap_scaling.png").stat().st_size > 1000
+    assert "x " in capsys.readouterr().out
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "summary.json").write_text(json.dumps({"bf16@s0": _run(1.0)}))
+    with pytest.raises(ValueError, match="disagree on \\(or lack\\) the parameter count"):
+        gap_scaling.collect([bad])

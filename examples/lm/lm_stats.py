@@ -176,7 +176,7 @@ def plot_gaps(out: Path, gaps: dict, title: str) -> Path | None:
         ax.plot(g["gaps_pct"], [i] * len(g["gaps_pct"]), "x", color="0.5", ms=4)
     ax.set_yticks(range(len(rows)), [f"{c} ({status(g)})" for c, g in rows], fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("validation-loss gap to bf16 (%), mean over seeds with 95 % t interval; x: seeds")
+    ax.set_xlabel("gap to bf16 (%): mean over seeds, 95 % t interval; x: the seeds")
     ax.set_title(title, fontsize=9)
     if spread:
         ax.legend(fontsize=8, loc="lower right")

@@ -1,0 +1,90 @@
+"""The gap to bf16 against model size: one line per configuration, each point the mean gap over seeds with its 95 %
+Student-t interval, from the output directories of precision_study.py runs at several presets.
+
+    python examples/lm/gap_scaling.py runs/study-small runs/study-medium runs/study-350m --out runs/gap_scaling
+
+Each directory holds precision_study's summary.json (every run's "params") and is reduced by `lm_stats.seed_gaps`;
+writes OUT/gap_scaling.png and OUT/gap_scaling.csv (configuration, parameters, seeds, mean, interval, status) and
+prints the table. A point whose interval contains 0 is drawn hollow (unresolved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lm_stats  # noqa: E402
+
+
+def collect(dirs) -> list[dict]:
+    """One row per (study, configuration but bf16): params, seeds, mean_pct, ci_low_pct, ci_high_pct, status."""
+    rows = []
+    for d in map(Path, dirs):
+        summaries = json.loads((d / "summary.json").read_text())
+        params = {s["params"] for s in summaries.values() if "params" in s}
+        if len(params) != 1:
+            raise ValueError(f"{d}: the runs disagree on (or lack) the parameter count: {sorted(params)}")
+        n = params.pop()
+        for cfg, g in lm_stats.seed_gaps(summaries).items():
+            if cfg != "bf16":
+                rows.append({"study": str(d), "configuration": cfg, "params": n, "seeds": len(g["seeds"]),
+                             "mean_pct": g["mean_pct"], "ci_low_pct": g["ci_low_pct"], "ci_high_pct": g["ci_high_pct"],
+                             "status": lm_stats.status(g)})
+    return sorted(rows, key=lambda r: (r["configuration"], r["params"]))
+
+
+def plot(rows: list[dict], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.axhline(0, color="0.4", lw=0.8)
+    for i, cfg in enumerate(dict.fromkeys(r["configuration"] for r in rows)):
+        pts = [r for r in rows if r["configuration"] == cfg]
+        x = [r["params"] for r in pts]
+        y = [r["mean_pct"] for r in pts]
+        err = [[r["mean_pct"] - r["ci_low_pct"] if math.isfinite(r["ci_low_pct"]) else 0 for r in pts],
+               [r["ci_high_pct"] - r["mean_pct"] if math.isfinite(r["ci_high_pct"]) else 0 for r in pts]]
+        ax.plot(x, y, "-", color=f"C{i}", label=cfg, lw=1)
+        for r, xe, ye, lo, hi in zip(pts, x, y, *err, strict=True):
+            ax.errorbar(xe, ye, yerr=[[lo], [hi]], fmt="o", color=f"C{i}", capsize=3,
+                        mfc=f"C{i}" if r["status"] == "resolved" else "white")
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel("validation-loss gap to bf16 (%), 95 % interval")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("studies", nargs="+", type=Path, help="precision_study.py output directories")
+    p.add_argument("--out", type=Path, default=Path("runs/gap_scaling"))
+    args = p.parse_args(argv)
+    rows = collect(args.studies)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with (args.out / "gap_scaling.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["configuration"])
+        w.writeheader()
+        w.writerows(rows)
+    plot(rows, args.out / "gap_scaling.png")
+    for r in rows:
+        print(f"{r['configuration']:<44} {r['params'] / 1e6:>9.1f}M {r['seeds']:>2} seeds {r['mean_pct']:+6.2f}% "
+              f"[{r['ci_low_pct']:+.2f}, {r['ci_high_pct']:+.2f}] {r['status']}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
