@@ -20,7 +20,7 @@ algorithm per process. Three things make a step reproducible:
 Collectives over a fixed mesh reduce in a fixed order (NCCL's ring and tree schedules depend on the topology, not on
 timing), so data-, fsdp- and tensor-parallel steps are reproducible on the same devices; a different device count
 or mesh sums in another order and gives other bits. `checksum` compares two states bit for bit. The cost in speed
-is measured in docs/performance.md ("Deterministic steps").
+is measured in docs/performance.md ("Measuring gaps").
 """
 
 from __future__ import annotations

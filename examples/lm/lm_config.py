@@ -49,8 +49,8 @@ PRESETS = {
                   corpus="site-packages", arch="llama", remat="quantized", tokenizer="bpe", vocab=32768,
                   val_tokens=VAL_TOKENS),
     # large-350m: the large architecture at ~0.34B parameters (d_model 1024, 24 blocks), 1000 steps of 32k tokens.
-    # Peak lr 3e-4: at 6e-4 (--lr 6e-4, the earlier setting; lower loss) two runs of one seed ended 3.5-6.7 % apart,
-    # at 3e-4 0.03-0.30 % (docs/performance.md, "Same-seed spread of the presets").
+    # Peak lr 3e-4: at 6e-4 (--lr 6e-4, the earlier setting; lower loss) two runs of one seed end ten times further
+    # apart (docs/performance.md, "Measuring gaps").
     "large-350m": dict(d_model=1024, layers=24, head_dim=64, kv_heads=4, mlp_hidden=2816, seq=2048, batch=16,
                        steps=1000, lr=3e-4, warmup=100, eval_every=250, eval_batches=4, log_every=25, ckpt_every=0,
                        scan=True, corpus="site-packages", arch="llama", remat="quantized", tokenizer="bpe",
