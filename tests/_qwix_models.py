@@ -20,7 +20,7 @@ from jax_fp4.grouped_gemm import ragged_dot
 from jax_fp4.recipes import resolve
 
 
-# ---- NNX: a block of an nnx.Einsum projection and an nnx.Linear MLP ---------------------------------------------------
+# ---- NNX: a block of an nnx.Einsum projection and an nnx.Linear MLP --------------------------------------------------
 class NnxBlock(nnx.Module):
     """x [B, T, d] -> x + down(gelu(up(proj(x)))); proj is an nnx.Einsum ("btd,dhk->bthk"). recipe None: plain Flax;
     else the layer path with the block's own stochastic-rounding stream ``q`` (or `shared`, when given)."""
@@ -62,12 +62,11 @@ class NnxStack(nnx.Module):
         return self.head(body(self.blocks, x))
 
 
-# ---- NNX: a mixture-of-experts block calling jax.lax.ragged_dot -------------------------------------------------------
+# ---- NNX: a mixture-of-experts block calling jax.lax.ragged_dot ------------------------------------------------------
 class NnxMoE(nnx.Module):
-    """x [T, d] -> top-k routed experts (gelu MLP), tokens sorted by expert, expert GEMMs by `ragged` (default
-    `jax.lax.ragged_dot` with the router's group sizes). `recipe` given: the layer path, jax_fp4.ragged_dot on
-    groups padded to the recipe's wgrad block (the layout of jax_fp4.flax.moe.dispatch), keys drawn per call from
-    the block's stream ``q``."""
+    """x [T, d] -> top-k routed experts (gelu MLP), tokens sorted by expert. recipe None: the expert GEMMs are
+    `jax.lax.ragged_dot` on the router's group sizes; else the layer path: jax_fp4.ragged_dot on groups padded to
+    the recipe's wgrad block (the layout of jax_fp4.flax.moe.dispatch), keys drawn per call from the stream ``q``."""
 
     def __init__(self, d: int, hidden: int, experts: int, top_k: int, rngs: nnx.Rngs, recipe=None):
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))

@@ -4,6 +4,8 @@ ragged_dot), leaves unmatched calls alone, and reports what it cannot quantize."
 from __future__ import annotations
 
 import os
+import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -205,6 +207,21 @@ def test_aligned_ragged_dot_groups_of_any_size():
                       argnums=(0, 1))(x, w)
     assert np.isfinite(np.asarray(gw)).all() and np.isfinite(np.asarray(gx)).all()
     assert not np.asarray(gx)[41:].any()  # rows past the groups get no gradient
+
+
+def test_readme_example_runs():
+    """The README's "Using jax_fp4 from qwix" example (at most 40 lines) trains: finite losses that go down, every
+    rule used."""
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    m = re.search(r"^### Using jax_fp4 from qwix\n.*?```python\n(.*?)```", readme, re.M | re.S)
+    assert m, "README has no qwix example"
+    code = m.group(1)
+    assert len(code.splitlines()) <= 40
+    ns: dict = {}
+    exec(compile(code, "README.md (Using jax_fp4 from qwix)", "exec"), ns)
+    losses = ns["losses"]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
+    assert ns["provider"].get_unused_rules() == []
 
 
 IMPORT_SCRIPT = textwrap.dedent(

@@ -36,7 +36,6 @@ import sys
 import warnings
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import qwix
 from flax import nnx
@@ -131,7 +130,7 @@ def _report(op: str, path: str, reason: str) -> None:
 
 
 def _qwix_fix(path: str) -> str:
-    return (f" With qwix: an earlier Fp4Rule(module_path={path!r}, recipe='bf16'), or on_unblockable='bf16' on "
+    return (f". With qwix: an earlier Fp4Rule(module_path={path!r}, recipe='bf16'), or on_unblockable='bf16' on "
             "the rule that matched")
 
 
