@@ -1,7 +1,8 @@
 """Models written as Flax's and qwix's examples write them, quantized through jax_fp4.qwix and trained a few steps on
 the CPU with each recipe: a Linen encoder-decoder Transformer (nn.MultiHeadDotProductAttention), an NNX Llama-style
 decoder block (nnx.Einsum projections, RoPE, SwiGLU) and an NNX MoE block calling jax.lax.ragged_dot. Each run must
-stay finite, lower its loss, use every rule, and differ from the BF16 run (the GEMMs were quantized)."""
+stay finite, lower its loss and use every rule, and its model's forward must hold jax_fp4's quantize primitives
+exactly when the recipe quantizes (the intercepted GEMMs were routed through jax_fp4)."""
 
 from __future__ import annotations
 
@@ -93,7 +94,8 @@ def _train_linen(recipe):
     for k in jax.random.split(jax.random.key(3), STEPS):
         loss, params, state = step(params, state, k)
         losses.append(float(loss))
-    return losses, provider
+    jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, src, tgt_in, rngs={"quantize": k}))(params)
+    return losses, provider, str(jaxpr)
 
 
 # ---- NNX Llama-style decoder ----------------------------------------------------------------------------------------
@@ -162,7 +164,10 @@ def _train_nnx(model, provider, batch, loss_fn):
         opt.update(m, g)
         return loss
 
-    return [float(step(qm, opt, *batch)) for _ in range(STEPS)], provider
+    losses = [float(step(qm, opt, *batch)) for _ in range(STEPS)]
+    graphdef, state = nnx.split(qm)
+    jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(batch[0]))(state)
+    return losses, provider, str(jaxpr)
 
 
 def _train_llama(recipe):
@@ -192,18 +197,14 @@ def _train_moe(recipe):
 
 
 TRAINERS = {"linen_seq2seq": _train_linen, "nnx_llama": _train_llama, "nnx_moe": _train_moe}
-_BF16: dict = {}
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("model", list(TRAINERS))
 def test_trains(model, recipe):
-    losses, provider = TRAINERS[model](recipe)
+    losses, provider, jaxpr = TRAINERS[model](recipe)
     assert np.isfinite(losses).all(), losses
     assert losses[-1] < losses[0], losses
     assert provider.get_unused_rules() == []
-    if recipe == "bf16":
-        _BF16[model] = losses
-    else:
-        base = _BF16.get(model) or TRAINERS[model]("bf16")[0]
-        assert losses != base, "the recipe changed nothing: the GEMMs were not quantized"
+    quantize = "jf4_grouped_quantize" if model == "nnx_moe" else "jf4_quantize"  # (the MoE's dense head too)
+    assert (quantize in jaxpr) == (recipe != "bf16"), f"{recipe}: {quantize} in the forward: {quantize in jaxpr}"
