@@ -208,3 +208,19 @@ def test_trains(model, recipe):
     assert provider.get_unused_rules() == []
     quantize = "jf4_grouped_quantize" if model == "nnx_moe" else "jf4_quantize"  # (the MoE's dense head too)
     assert (quantize in jaxpr) == (recipe != "bf16"), f"{recipe}: {quantize} in the forward: {quantize in jaxpr}"
+
+
+def test_qwix_bench_tool_runs(tmp_path):
+    """tools/qwix_bench.py (the GPU measurement of the provider) on its CPU-sized model: finite losses, every rule
+    used, the JSON written."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import qwix_bench
+
+    out = tmp_path / "bench.json"
+    (res,) = qwix_bench.main(["--tiny", "--steps", "2", "--warmup", "1", "--recipes", "mxfp8", "--out", str(out)])
+    assert res["recipe"] == "mxfp8" and res["unused_rules"] == 0 and np.isfinite(res["losses"]).all()
+    assert json.loads(out.read_text())["results"][0]["step_ms"] == res["step_ms"]
