@@ -167,6 +167,18 @@ def test_missing_nnx_rngs_is_a_clear_error():
         nnx.grad(lambda m: jnp.sum(m(x)))(qm)
 
 
+def test_ragged_dot_group_offset_is_refused_with_strict():
+    class Shard(nnx.Module):
+        def __call__(self, x, w, sizes):
+            return jax.lax.ragged_dot(x, w, sizes, group_offset=jnp.zeros((1,), jnp.int32))
+
+    x, w, sizes = jnp.ones((32, D)), jnp.ones((2, D, D)), jnp.array([16, 16], jnp.int32)
+    qm = qwix.quantize_model(Shard(), Fp4Provider([Fp4Rule(recipe="mxfp8")], strict=True), x, w, sizes,
+                             skip_nnx_init=True)
+    with pytest.raises(ValueError, match="ragged_dot of module '': group_offset"):
+        qm(x, w, sizes)
+
+
 def test_rule_validation():
     with pytest.raises(TypeError, match="recipe must be"):
         Fp4Rule(recipe=3)
