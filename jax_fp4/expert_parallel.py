@@ -12,8 +12,9 @@ experts. Per device and layer:
   dispatch  a send buffer [n, C, D] (chunk j: the rows for device j, zero rows past its assignments) and the local
             expert of every row (int32 [n, C], E / n for an empty row) cross with `jax.lax.all_to_all` over the
             expert axis (split and concatenated on axis 0): device j receives [n, C, D], chunk i from device i.
-  experts   the received rows are sorted by local expert into groups padded to the alignment (`group_rows`, stable: within a group the rows keep (source device, token, slot) order, i.e. the global
-            token order when the batch is split contiguously), then up / activation / down through
+  experts   the received rows are sorted by local expert into groups padded to the alignment (`group_rows`,
+            stable: within a group the rows keep (source device, token, slot) order, i.e. the global token order
+            when the batch is split contiguously), then up / activation / down through
             `jax_fp4.ragged_dot` with the recipe.
   combine   the expert outputs return in bfloat16 (the compute dtype) through the reverse all-to-all into the send
             positions; y[t] = sum_j p[t, j] * out[(t, j)] in float32, cast to the compute dtype (as MoEMLP).
@@ -33,6 +34,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jax_fp4 import expert_dispatch as ed
 from jax_fp4.grouped_gemm import ragged_dot
 from jax_fp4.recipes import Recipe
 
@@ -125,7 +127,7 @@ def _exchange(a, axis_name, n):
 
 
 def expert_mlp(x2, weights, experts, up, down, *, recipe: Recipe, num_experts: int, axis_name: str,
-               cap: int, alignment: int, activation: str = "swiglu", key=None):
+               cap: int, alignment: int, activation: str = "swiglu", key=None, quantized: bool = False):
     """One device's share of an expert-parallel MoE MLP (module docstring); call inside `jax.shard_map`.
 
     Args:
@@ -137,34 +139,59 @@ def expert_mlp(x2, weights, experts, up, down, *, recipe: Recipe, num_experts: i
         (size n). cap: C (`capacity`). alignment: the expert groups' row padding (`jax_fp4.flax.moe.group_alignment`).
       activation: "swiglu" or "gelu". key: stochastic-rounding key (None when the recipe needs none), folded with
         this device's index on the expert axis.
+      quantized: dispatch the up GEMM's x and the down GEMM's dy as their quantized operands
+        (`jax_fp4.expert_dispatch`; needs `expert_dispatch.quantized_dispatch(recipe)`); False: in x2's dtype.
 
     Returns:
       [T_l, D_out] in x2's dtype.
+
+    Raises:
+      ValueError: quantized with a recipe that does not quantize fprop x and dgrad dy.
     """
+    if quantized and not ed.quantized_dispatch(recipe):
+        raise ValueError(f"expert_mlp: recipe {recipe.name} does not quantize both the fprop x and the dgrad dy "
+                         "operands: its dispatch cannot be quantized (quantized=False dispatches the compute dtype)")
     n = jax.lax.axis_size(axis_name)
     t, d = x2.shape
+    k = experts.shape[1]
     el = num_experts // n
     slot, token, local = plan(experts, num_experts, n, cap)
-    send = jnp.concatenate([x2, jnp.zeros((1, d), x2.dtype)])[token]  # [n * C, D]; gradient: a scatter-add
-    recv, recv_local = _exchange(send, axis_name, n), _exchange(local, axis_name, n)
+    recv_local = _exchange(local, axis_name, n)
     # Group the received rows by local expert (empty rows form a last group E / n that no GEMM reads).
     rows, sizes, buf = group_rows(recv_local, el + 1, alignment)
     src = jnp.full((buf,), n * cap, jnp.int32).at[rows].set(jnp.arange(n * cap, dtype=jnp.int32))
-    xs = jnp.concatenate([recv, jnp.zeros((1, d), recv.dtype)])[src]
     sizes = sizes[:el]
     k_up = k_down = None
     if key is not None:
         k_up, k_down = jax.random.split(jax.random.fold_in(key, jax.lax.axis_index(axis_name)))
-    hid = ragged_dot(xs, up, sizes, recipe=recipe, key=k_up)
+    if quantized:
+        geom = ed.Geometry(n, cap, num_experts, k, t, buf, axis_name)
+        a = t * k
+        flat = slot.reshape(-1)
+        sort_key = jnp.where(flat < n * cap, experts.reshape(-1), num_experts)  # dropped assignments sort last
+        order = jnp.argsort(sort_key, stable=True).astype(jnp.int32)
+        counts = jnp.bincount(sort_key, length=num_experts + 1)[:-1].astype(jnp.int32)
+        srow = jnp.zeros((a,), jnp.int32).at[order].set(jnp.arange(a, dtype=jnp.int32))
+        r = ed.Routing(order=order, counts=counts,
+                       srow_of_slot=jnp.full((n * cap + 1,), a, jnp.int32).at[flat].set(srow)[:-1],
+                       slot_of_srow=flat[order], token_of_slot=token, rows=rows, src=src, sizes=sizes)
+        hid = ed.dispatch_up(recipe, geom, x2, up, r, k_up)
+    else:
+        send = jnp.concatenate([x2, jnp.zeros((1, d), x2.dtype)])[token]  # [n * C, D]; gradient: a scatter-add
+        xs = jnp.concatenate([_exchange(send, axis_name, n), jnp.zeros((1, d), x2.dtype)])[src]
+        hid = ragged_dot(xs, up, sizes, recipe=recipe, key=k_up)
     if activation == "swiglu":
         gate, linear = jnp.split(hid, 2, axis=-1)
         hid = jax.nn.silu(gate) * linear
     else:
         hid = jax.nn.gelu(hid)
-    out = ragged_dot(hid, down, sizes, recipe=recipe, key=k_down)  # [buf, D_out]; rows past the groups: 0
-    back = _exchange(out[rows], axis_name, n)  # [n * C, D_out] in this device's send positions
+    if quantized:
+        back = ed.down_combine(recipe, geom, hid, down, r, k_down)
+    else:
+        out = ragged_dot(hid, down, sizes, recipe=recipe, key=k_down)  # [buf, D_out]; rows past the groups: 0
+        back = _exchange(out[rows], axis_name, n)  # [n * C, D_out] in this device's send rows
     back = jnp.concatenate([back, jnp.zeros((1, back.shape[1]), back.dtype)])
-    return jnp.einsum("tk,tko->to", weights, back[slot].astype(jnp.float32)).astype(out.dtype)
+    return jnp.einsum("tk,tko->to", weights, back[slot].astype(jnp.float32)).astype(back.dtype)
 
 
 def dispatch_bytes(tokens: int, top_k: int, n: int, d: int, dtype, capacity_factor: float | None = None) -> int:

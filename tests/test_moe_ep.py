@@ -1,16 +1,22 @@
 """`jax_fp4.flax.moe_ep.ExpertParallelMoEMLP` on 4 forced CPU devices against the replicated `MoEMLP`.
 
-* expert mesh (4): the output y, the input gradient dx and every parameter gradient equal MoEMLP's on the whole batch
-  bit for bit (the expert kernels' bf16 gradients compared in bf16: XLA may fold MoEMLP's final cast into its dot), for bf16, mxfp8, nvfp4-fwd-mxfp8-bwd and nvfp4-no-sr (every group holds the unsharded group's rows,
-  in order, with the same padding; docs/numerics.md "Expert parallelism");
+* expert mesh (4), bf16 dispatch: the output y, the input gradient dx and every parameter gradient equal MoEMLP's
+  on the whole batch bit for bit (the expert kernels' bf16 gradients compared in bf16: XLA may fold MoEMLP's final
+  cast into its dot), for bf16, mxfp8, nvfp4-fwd-mxfp8-bwd and nvfp4-no-sr (every group holds the unsharded group's
+  rows, in order, with the same padding; docs/numerics.md "Expert parallelism");
 * data x expert mesh (2 x 2): each data replica's experts see that replica's tokens, so y equals MoEMLP applied to
   each replica's half of the batch (bit for bit; NVFP4 included: the tensor amaxes are the replica's), an expert
   kernel's gradient is the sum of the two halves' gradients a + b within the roundings to the compute dtype bfloat16
   (2^-8 (|a| + |b|) + 2^-9 |a + b|: each half and the sum rounded once, or kept in float32 where XLA folds the
   casts); bf16 / mxfp8: dx and the router and norm gradients equal the whole batch's bit for bit;
-* uneven routing: every token routed to one expert (the others empty), dropless;
+* quantized dispatch (the default for mxfp8, nvfp4-fwd-mxfp8-bwd, nvfp4-no-sr): y, dx and the router and norm
+  gradients equal MoEMLP's bit for bit; the expert kernels' gradients (wgrad from the dequantized dispatched x^ and
+  dy^) differ from the bf16 dispatch's by less than the recipe's own gradients differ from the bf16 recipe's;
+* uneven routing (quantized dispatch): every token routed to one expert (most others empty), dropless: y, dx and
+  the router and norm gradients as MoEMLP's, the expert gradients finite;
 * capacity_factor: the buffers shrink and the assignments past the capacity are dropped (their terms leave y);
-* the dispatch moves the compute dtype: the compiled step's all-to-alls read from the HLO;
+* the step's all-to-alls (dtypes and shapes from the lowered HLO): bf16 rows for the bf16 dispatch; uint8 codes and
+  scales for the quantized dispatch's x and dy (0.40 of the bf16 dispatch's bytes there), bf16 for y and dx;
 * construction / trace-time errors.
 """
 
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import textwrap
 
+import numpy as np
 import pytest
 
 from _cpu_devices import run_results
@@ -66,15 +73,27 @@ SCRIPT = textwrap.dedent(
     def same_grads(g0, g1):
         return {k: same(bf16(g0[k]), g1[k]) if ("up" in k or "down" in k) else same(g0[k], g1[k]) for k in g0}
 
-    out = {}
+    out, bf16_grads = {}, None
     for name in ("bf16", "mxfp8", "nvfp4-fwd-mxfp8-bwd", "nvfp4-no-sr"):  # expert axis 4: the unsharded bits
-        mesh, ref, ep, x = layers(name, (1, 4))
+        mesh, ref, ep, x = layers(name, (1, 4), quantized_dispatch=False)
+        xs = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
         y0, dx0, g0 = run(ref, x)
-        y1, dx1, g1 = run(ep, jax.device_put(x, NamedSharding(mesh, P(("data", "expert")))))
+        y1, dx1, g1 = run(ep, xs)
         out[name] = dict(y=same(y0, y1), dx=same(dx0, dx1), grads=same_grads(g0, g1))
+        if name == "bf16":
+            bf16_grads = g0
+            continue
+        _, _, epq, _ = layers(name, (1, 4))  # quantized dispatch (the default for these recipes)
+        y2, dx2, g2 = run(epq, xs)
+        rel = lambda a, b, k: float(np.linalg.norm(a[k] - b[k]) / np.linalg.norm(b[k]))  # noqa: E731
+        out[name + " quantized"] = dict(
+            default=bool(epq.quantized_dispatch), y=same(y0, y2), dx=same(dx0, dx2),
+            grads={k: same(g0[k], g2[k]) for k in g0 if "up" not in k and "down" not in k},
+            # the expert kernels' gradients: the dispatch's change against the recipe's own change from bf16
+            expert_rel={k: (rel(g2, g1, k), rel(g1, bf16_grads, k)) for k in g0 if "up" in k or "down" in k})
 
     for name in ("bf16", "mxfp8", "nvfp4-fwd-mxfp8-bwd"):  # data x expert: per data replica
-        mesh, ref, ep, x = layers(name, (2, 2))
+        mesh, ref, ep, x = layers(name, (2, 2), **({} if name.startswith("nvfp4") else dict(quantized_dispatch=False)))
         y0, dx0, g0 = run(ref, x)
         halves = [run(ref, x[:4]), run(ref, x[4:])]
         y1, dx1, g1 = run(ep, jax.device_put(x, NamedSharding(mesh, P(("data", "expert")))))
@@ -87,14 +106,16 @@ SCRIPT = textwrap.dedent(
         out[name + " 2x2"] = dict(y=same(np.concatenate([h[0] for h in halves]), y1), dx=same(dx0, dx1),
                                   excess=excess, other_grads={k: same(g0[k], g1[k]) for k in g0 if k not in experts})
 
-    # Uneven routing: the router sends every token to expert 5 first (experts 5 and one other per token).
-    mesh, ref, ep, x = layers("mxfp8", (1, 4))
+    # Uneven routing (quantized dispatch): the router sends every token to expert 5 first (experts 5 and one other
+    # per token): expert 5's device receives every token, most other experts none.
+    mesh, ref, ep, x = layers("nvfp4-fwd-mxfp8-bwd", (1, 4))
     for m in (ref, ep):
         m.router.kernel[...] = jnp.zeros((D, E)).at[:, 5].set(1.0)
     x = jnp.abs(x) + 0.1
     y0, dx0, g0 = run(ref, x)
     y1, dx1, g1 = run(ep, jax.device_put(x, NamedSharding(mesh, P(("data", "expert")))))
-    out["one expert"] = dict(y=same(y0, y1), dx=same(dx0, dx1), grads=same_grads(g0, g1))
+    out["one expert"] = dict(y=same(y0, y1), dx=same(dx0, dx1), grads={
+        k: same(g0[k], g1[k]) if "up" not in k and "down" not in k else bool(np.all(np.isfinite(g1[k]))) for k in g0})
 
     # A capacity factor: per (source, destination) pair ceil(0.5 * 32 * 2 / 4) = 8 rows; past them, dropped.
     mesh, ref, ep, x = layers("bf16", (1, 4), capacity_factor=0.5)
@@ -120,13 +141,16 @@ SCRIPT = textwrap.dedent(
     y0 = np.asarray(nnx.jit(lambda m, x: m(x))(ref, x), np.float32).reshape(4, 32, D)
     out["capacity"] = dict(dropped=int((~kept).sum()), y=same(y0, y1))
 
-    # The step's all-to-alls (lowered StableHLO: XLA:CPU's compiled HLO widens bf16 collectives to f32): the
-    # dispatch and the combine of bf16 rows [4, 64, D] (dropless C = 32 tokens x 2) forward and backward, and the
-    # int32 local expert ids.
-    mesh, ref, ep, x = layers("mxfp8", (1, 4))
-    step = jax.jit(jax.grad(lambda s, x: loss(nnx.merge(nnx.graphdef(ep), s), x)[0]))
-    text = step.lower(nnx.state(ep), jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))).as_text()
-    out["all-to-all"] = sorted(re.findall(r'"stablehlo.all_to_all".*?: \\(tensor<([^>]*)>\\)', text))
+    # The step's all-to-alls (lowered StableHLO: XLA:CPU's compiled HLO widens bf16 collectives to f32), dropless
+    # C = 32 tokens x 2 = 64 rows per destination: bf16 dispatch: x and dy to the experts, y and dx back, bf16
+    # [4, 64, D], and the int32 local expert ids; nvfp4-fwd-mxfp8-bwd's quantized dispatch: x as NVFP4 codes
+    # (two per byte, [4, 64, D/2]) and E4M3 scales [4, 64, D/16], dy as MXFP8 codes [4, 64, D] and E8M0 scales
+    # [4, 64, D/32], all uint8.
+    for name, kw in (("bf16", dict(quantized_dispatch=False)), ("quantized", {})):
+        mesh, ref, ep, x = layers("nvfp4-fwd-mxfp8-bwd", (1, 4), **kw)
+        step = jax.jit(jax.grad(lambda s, x: loss(nnx.merge(nnx.graphdef(ep), s), x)[0]))
+        text = step.lower(nnx.state(ep), jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))).as_text()
+        out["all-to-all " + name] = sorted(re.findall(r'"stablehlo.all_to_all".*?: \\(tensor<([^>]*)>\\)', text))
     print("RESULT " + json.dumps(out))
     """
 )
@@ -138,13 +162,24 @@ def test_expert_parallel_equals_replicated():
     for name in ("bf16", "mxfp8", "nvfp4-fwd-mxfp8-bwd", "nvfp4-no-sr", "one expert"):
         r = out[name]
         assert r["y"] and r["dx"] and all(r["grads"].values()), (name, r)
+    for name in ("mxfp8", "nvfp4-fwd-mxfp8-bwd", "nvfp4-no-sr"):
+        r = out[name + " quantized"]
+        assert r["default"] and r["y"] and r["dx"] and len(r["grads"]) == 3 and all(r["grads"].values()), (name, r)
+        assert len(r["expert_rel"]) == 2 and all(d <= own for d, own in r["expert_rel"].values()), (name, r)
     for name in ("bf16 2x2", "mxfp8 2x2", "nvfp4-fwd-mxfp8-bwd 2x2"):
         r = out[name]
-        assert r["y"] and len(r["excess"]) == 2 and max(r["excess"].values()) <= 1, (name, r)
-        if not name.startswith("nvfp4"):  # NVFP4: each replica's own amaxes, so dx is neither the whole batch's
+        assert r["y"], (name, r)
+        if not name.startswith("nvfp4"):  # (nvfp4: each replica's own amaxes and the quantized dispatch's x^ wgrad)
+            assert len(r["excess"]) == 2 and max(r["excess"].values()) <= 1, (name, r)
             assert r["dx"] and len(r["other_grads"]) == 3 and all(r["other_grads"].values()), (name, r)
     assert out["capacity"]["y"] and out["capacity"]["dropped"] > 0, out["capacity"]
-    assert out["all-to-all"] == ["4x64x64xbf16"] * 4 + ["4x64xi32"], out["all-to-all"]
+    assert out["all-to-all bf16"] == ["4x64x64xbf16"] * 4 + ["4x64xi32"], out["all-to-all bf16"]
+    q = ["4x64x2xui8", "4x64x32xui8", "4x64x4xui8", "4x64x64xbf16", "4x64x64xbf16", "4x64x64xui8", "4x64xi32"]
+    assert out["all-to-all quantized"] == q, out["all-to-all quantized"]
+    bytes_ = {kind: sum(np.prod([int(d) for d in s.split("x")[:-1]]) * (2 if s.endswith("bf16") else 1)
+                        for s in out["all-to-all " + kind] if not s.endswith("i32")) for kind in ("bf16", "quantized")}
+    # x and dy: (D/2 + D/16 + D + D/32) / (2 D + 2 D) = 0.398 of the bf16 dispatch's bytes; dx and y stay bf16
+    assert bytes_["quantized"] == 4 * 64 * (32 + 4 + 64 + 2 + 2 * 128), bytes_
 
 
 def test_construction_errors():
@@ -162,3 +197,7 @@ def test_construction_errors():
         ExpertParallelMoEMLP(64, 64, 4, mesh=mesh, batch_axes=(), **kw)
     with pytest.raises(ValueError, match="capacity_factor"):
         ExpertParallelMoEMLP(64, 64, 4, mesh=mesh, capacity_factor=0.0, **kw)
+    with pytest.raises(ValueError, match="quantized_dispatch=True needs"):
+        ExpertParallelMoEMLP(64, 64, 4, mesh=mesh, quantized_dispatch=True, **kw)
+    layer = ExpertParallelMoEMLP(64, 64, 4, mesh=mesh, recipe=recipes.MXFP8(), rngs=nnx.Rngs(0))
+    assert layer.quantized_dispatch and not ExpertParallelMoEMLP(64, 64, 4, mesh=mesh, **kw).quantized_dispatch

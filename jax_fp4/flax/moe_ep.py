@@ -21,6 +21,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 from jax.sharding import PartitionSpec as P
 
+from jax_fp4 import expert_dispatch as ed
 from jax_fp4 import expert_parallel as ep
 from jax_fp4.flax.moe import MoEMLP, default_expert_init
 from jax_fp4.flax.nnx_layers import RngsLike, quantize_key
@@ -40,6 +41,10 @@ class ExpertParallelMoEMLP(MoEMLP):
       capacity_factor: None (default: dropless, the dispatch buffers sized for the worst case, T/m * k rows per
         source and destination) or cf > 0 (ceil(cf * T/m * k / n) rows, assignments past them dropped:
         `jax_fp4.expert_parallel.capacity`).
+      quantized_dispatch: None (default: True when the recipe quantizes the fprop x and the dgrad dy operands, e.g.
+        mxfp8, nvfp4, nvfp4-fwd-mxfp8-bwd; False for bf16), True (ValueError where the recipe cannot) or False:
+        dispatch the tokens (forward) and the down GEMM's dy (backward) as their quantized GEMM operands
+        (`jax_fp4.expert_dispatch`), else in the compute dtype. The combine and dx always move the compute dtype.
 
     Call: as MoEMLP (``layer(x, *, rngs=None, return_aux_loss=False)``); with ``return_load=True`` it also
     returns the float32 [E] fraction of the T * k assignments routed to each expert (the load; sums to 1).
@@ -51,7 +56,8 @@ class ExpertParallelMoEMLP(MoEMLP):
 
     def __init__(self, in_features: int, hidden_features: int, num_experts: int, out_features: int | None = None,
                  *, mesh, expert_axis: str = "expert", batch_axes: tuple[str, ...] | None = None,
-                 capacity_factor: float | None = None, kernel_init: tp.Callable = default_expert_init, **kwargs):
+                 capacity_factor: float | None = None, quantized_dispatch: bool | None = None,
+                 kernel_init: tp.Callable = default_expert_init, **kwargs):
         batch_axes = (expert_axis,) if batch_axes is None else tuple(batch_axes)
         where = "ExpertParallelMoEMLP"
         if expert_axis not in mesh.shape:
@@ -68,6 +74,11 @@ class ExpertParallelMoEMLP(MoEMLP):
         super().__init__(in_features, hidden_features, num_experts, out_features, kernel_init=init, **kwargs)
         self.mesh, self.expert_axis, self.batch_axes = mesh, expert_axis, batch_axes
         self.capacity_factor = capacity_factor
+        able = ed.quantized_dispatch(self.recipe)
+        if quantized_dispatch and not able:
+            raise ValueError(f"{where}: quantized_dispatch=True needs a recipe that quantizes the fprop x and the "
+                             f"dgrad dy operands; {self.recipe.name} does not (leave quantized_dispatch None)")
+        self.quantized_dispatch = able if quantized_dispatch is None else bool(quantized_dispatch)
 
     def __call__(self, x: jax.Array, *, rngs: RngsLike = None, return_aux_loss: bool = False,
                  return_load: bool = False):
@@ -91,8 +102,9 @@ class ExpertParallelMoEMLP(MoEMLP):
             # The experts are replicated over the other batch axes: varying there, their gradients are summed over
             # those axes by the transpose (a psum in the compute dtype).
             up, down = ep.varying(up, others), ep.varying(down, others)
-            return ep.expert_mlp(x2, w, e, up, down, recipe=self.recipe, num_experts=self.num_experts, axis_name=self.expert_axis,
-            cap=cap, alignment=self.alignment, activation=self.activation, key=key)
+            return ep.expert_mlp(x2, w, e, up, down, recipe=self.recipe, num_experts=self.num_experts,
+                                 axis_name=self.expert_axis, cap=cap, alignment=self.alignment,
+                                 activation=self.activation, key=key, quantized=self.quantized_dispatch)
 
         tok, exp = P(self.batch_axes, None), P(self.expert_axis, None, None)
         keys = P() if key is not None else None
