@@ -34,7 +34,9 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from jax_fp4.dense import RESIDUAL_NAMES
 from jax_fp4.distributed import _from_wire, _to_wire
 from jax_fp4.grouped import grouped_dequantize, grouped_quantize
 from jax_fp4.grouped_array import GroupedQuantizedArray
@@ -133,6 +135,11 @@ def _send_quantized(rows, fmt, r: Routing, g: Geometry, key):
                                  representation=Representation.VARYING_FIRST_DIM, shape=(g.buf, k))
 
 
+def _named(a, i):
+    """a's leaves tagged with `jax_fp4.dense.RESIDUAL_NAMES[i]` (0: the wgrad x, 1: the dgrad w), as ragged_dot's."""
+    return jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[i]), a)
+
+
 def _keys(key):
     return (None,) * 4 if key is None else tuple(jax.random.split(key, 4))
 
@@ -152,7 +159,7 @@ def _up_fwd(recipe, g, x2, w, r, key):
     y = _product(xq, w_fprop, r.sizes, FPROP_DIMS).astype(jnp.result_type(x2, w))
     x_hat = grouped_dequantize(xq, x2.dtype)  # the values the fprop used, in the receiver's expert buffer
     x_wgrad = _grouped_pair(x_hat, r.sizes, None, recipe.wgrad_x, kx)[1]
-    return y, (x_wgrad, w_dgrad, r, kdy, jnp.zeros((0,), x2.dtype), jnp.zeros((0,), w.dtype))
+    return y, (_named(x_wgrad, 0), _named(w_dgrad, 1), r, kdy, jnp.zeros((0,), x2.dtype), jnp.zeros((0,), w.dtype))
 
 
 def _up_bwd(recipe, g, res, dy):
@@ -183,7 +190,7 @@ def _down_fwd(recipe, g, h, w, r, key):
     w_dgrad, w_fprop = _weight_pair(w, recipe.dgrad_w, recipe.fprop_w, kw)
     out = _product(h_fprop, w_fprop, r.sizes, FPROP_DIMS).astype(jnp.result_type(h, w))
     back = _exchange(out[r.rows], g)
-    return back, (h_wgrad, w_dgrad, r, kq, kdy, jnp.zeros((0,), h.dtype), jnp.zeros((0,), w.dtype))
+    return back, (_named(h_wgrad, 0), _named(w_dgrad, 1), r, kq, kdy, jnp.zeros((0,), h.dtype), jnp.zeros((0,), w.dtype))
 
 
 def _down_bwd(recipe, g, res, dback):

@@ -33,12 +33,20 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_fp4 import expert_dispatch as ed
 from jax_fp4.grouped_gemm import ragged_dot
 from jax_fp4.recipes import Recipe
 
-__all__ = ["capacity", "plan", "group_rows", "varying", "expert_mlp", "dispatch_bytes"]
+__all__ = ["SAVE_NAME", "capacity", "plan", "group_rows", "varying", "expert_mlp", "dispatch_bytes"]
+
+
+#: `jax.checkpoint` name of the values that an all-to-all produced (the received local expert ids, the received rows of
+#: the bf16 dispatch, the expert buffer's up-GEMM output, the combined rows): a remat policy that saves them
+#: (`jax.checkpoint_policies.save_only_these_names(SAVE_NAME, ...)`) keeps the backward from repeating the forward's
+#: all-to-alls.
+SAVE_NAME = "jax_fp4_expert_parallel"
 
 
 def capacity(tokens: int, top_k: int, n: int, capacity_factor: float | None = None) -> int:
@@ -156,7 +164,7 @@ def expert_mlp(x2, weights, experts, up, down, *, recipe: Recipe, num_experts: i
     k = experts.shape[1]
     el = num_experts // n
     slot, token, local = plan(experts, num_experts, n, cap)
-    recv_local = _exchange(local, axis_name, n)
+    recv_local = checkpoint_name(_exchange(local, axis_name, n), SAVE_NAME)
     # Group the received rows by local expert (empty rows form a last group E / n that no GEMM reads).
     rows, sizes, buf = group_rows(recv_local, el + 1, alignment)
     src = jnp.full((buf,), n * cap, jnp.int32).at[rows].set(jnp.arange(n * cap, dtype=jnp.int32))
@@ -178,8 +186,10 @@ def expert_mlp(x2, weights, experts, up, down, *, recipe: Recipe, num_experts: i
         hid = ed.dispatch_up(recipe, geom, x2, up, r, k_up)
     else:
         send = jnp.concatenate([x2, jnp.zeros((1, d), x2.dtype)])[token]  # [n * C, D]; gradient: a scatter-add
-        xs = jnp.concatenate([_exchange(send, axis_name, n), jnp.zeros((1, d), x2.dtype)])[src]
+        xs = jnp.concatenate([checkpoint_name(_exchange(send, axis_name, n), SAVE_NAME),
+                              jnp.zeros((1, d), x2.dtype)])[src]
         hid = ragged_dot(xs, up, sizes, recipe=recipe, key=k_up)
+    hid = checkpoint_name(hid, SAVE_NAME)
     if activation == "swiglu":
         gate, linear = jnp.split(hid, 2, axis=-1)
         hid = jax.nn.silu(gate) * linear
@@ -190,7 +200,7 @@ def expert_mlp(x2, weights, experts, up, down, *, recipe: Recipe, num_experts: i
     else:
         out = ragged_dot(hid, down, sizes, recipe=recipe, key=k_down)  # [buf, D_out]; rows past the groups: 0
         back = _exchange(out[rows], axis_name, n)  # [n * C, D_out] in this device's send rows
-    back = jnp.concatenate([back, jnp.zeros((1, back.shape[1]), back.dtype)])
+    back = jnp.concatenate([checkpoint_name(back, SAVE_NAME), jnp.zeros((1, back.shape[1]), back.dtype)])
     return jnp.einsum("tk,tko->to", weights, back[slot].astype(jnp.float32)).astype(back.dtype)
 
 
