@@ -49,8 +49,10 @@ __all__ = ["Geometry", "Routing", "dispatch_up", "down_combine", "quantized_disp
 
 
 def quantized_dispatch(recipe: Recipe) -> bool:
-    """Whether a recipe's dispatch can be quantized: it quantizes the fprop x and the dgrad dy operands."""
-    return recipe.fprop_x is not None and recipe.dgrad_dy is not None
+    """Whether a recipe's dispatch can be quantized: it quantizes the fprop x and the dgrad dy operands, neither with
+    the RHT (the dispatch forms the tensor amax from |x| itself)."""
+    fmts = (recipe.fprop_x, recipe.dgrad_dy)
+    return all(f is not None and not getattr(f, "rht", False) for f in fmts)
 
 
 @dataclasses.dataclass(frozen=True)
