@@ -20,11 +20,13 @@ experts. Per device and layer:
             positions; y[t] = sum_j p[t, j] * out[(t, j)] in float32, cast to the compute dtype (as MoEMLP).
 
 Gradients: JAX differentiates the all-to-alls (the transpose of an all-to-all is the reverse all-to-all), so the
-backward moves dy to the experts' devices and dx back, in the compute dtype.
+backward moves dy to the experts' devices and dx back, in the compute dtype. With ``quantized=True`` the up GEMM's x
+and the down GEMM's dy cross as their quantized GEMM operands instead (`jax_fp4.expert_dispatch`).
 
 Every expert group on its device holds the same rows, in the same order and with the same padding, as in the
-unsharded `jax_fp4.flax.moe.MoEMLP` of all n * T_l tokens: its quantization (per-group tensor amax, the token-blocked
-wgrad operands) and its GEMM rows are those of the unsharded layer (docs/numerics.md, "Expert parallelism").
+unsharded `jax_fp4.flax.moe.MoEMLP` of the tokens of the devices along the expert axis: its quantization (per-group
+tensor amax, the token-blocked wgrad operands) and its GEMM rows are those of the unsharded layer
+(docs/numerics.md section 9).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from jax_fp4 import expert_dispatch as ed
 from jax_fp4.grouped_gemm import ragged_dot
 from jax_fp4.recipes import Recipe
 
-__all__ = ["SAVE_NAME", "capacity", "plan", "group_rows", "varying", "expert_mlp", "dispatch_bytes"]
+__all__ = ["SAVE_NAME", "capacity", "plan", "group_rows", "varying", "expert_mlp"]
 
 
 #: `jax.checkpoint` name of the values that an all-to-all produced (the received local expert ids, the received rows of
@@ -202,9 +204,3 @@ def expert_mlp(x2, weights, experts, up, down, *, recipe: Recipe, num_experts: i
         back = _exchange(out[rows], axis_name, n)  # [n * C, D_out] in this device's send rows
     back = jnp.concatenate([checkpoint_name(back, SAVE_NAME), jnp.zeros((1, back.shape[1]), back.dtype)])
     return jnp.einsum("tk,tko->to", weights, back[slot].astype(jnp.float32)).astype(back.dtype)
-
-
-def dispatch_bytes(tokens: int, top_k: int, n: int, d: int, dtype, capacity_factor: float | None = None) -> int:
-    """Bytes one device sends to the other n - 1 devices in one dispatch all-to-all of [n, C, d] `dtype` rows
-    (the chunk it keeps does not cross the wire)."""
-    return (n - 1) * capacity(tokens, top_k, n, capacity_factor) * d * jnp.dtype(dtype).itemsize

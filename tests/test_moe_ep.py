@@ -4,6 +4,7 @@
   on the whole batch bit for bit (the expert kernels' bf16 gradients compared in bf16: XLA may fold MoEMLP's final
   cast into its dot), for bf16, mxfp8, nvfp4-fwd-mxfp8-bwd and nvfp4-no-sr (every group holds the unsharded group's
   rows, in order, with the same padding; docs/numerics.md "Expert parallelism");
+* nvfp4 (stochastic rounding in the backward), quantized dispatch: y equals MoEMLP's, the gradients are finite;
 * data x expert mesh (2 x 2): each data replica's experts see that replica's tokens, so y equals MoEMLP applied to
   each replica's half of the batch (bit for bit; NVFP4 included: the tensor amaxes are the replica's), an expert
   kernel's gradient is the sum of the two halves' gradients a + b within the roundings to the compute dtype bfloat16
@@ -88,10 +89,18 @@ SCRIPT = textwrap.dedent(
         y2, dx2, g2 = run(epq, xs)
         rel = lambda a, b, k: float(np.linalg.norm(a[k] - b[k]) / np.linalg.norm(b[k]))  # noqa: E731
         out[name + " quantized"] = dict(
-            default=bool(epq.quantized_dispatch), y=same(y0, y2), dx=same(dx0, dx2),
+            default=bool(epq.dispatches_quantized()), y=same(y0, y2), dx=same(dx0, dx2),
             grads={k: same(g0[k], g2[k]) for k in g0 if "up" not in k and "down" not in k},
             # the expert kernels' gradients: the dispatch's change against the recipe's own change from bf16
             expert_rel={k: (rel(g2, g1, k), rel(g1, bf16_grads, k)) for k in g0 if "up" in k or "down" in k})
+
+    # nvfp4 (stochastic rounding of dy): the forward rounds to nearest, so y is MoEMLP's; the backward's random bits
+    # differ (per device and dispatch group), the gradients are finite.
+    mesh, ref, ep, x = layers("nvfp4", (1, 4))
+    y0, _, _ = run(ref, x)
+    y1, dx1, g1 = run(ep, jax.device_put(x, NamedSharding(mesh, P(("data", "expert")))))
+    out["nvfp4 sr"] = dict(y=same(y0, y1), finite=bool(np.all(np.isfinite(dx1)))
+                           and all(bool(np.all(np.isfinite(v))) for v in g1.values()))
 
     for name in ("bf16", "mxfp8", "nvfp4-fwd-mxfp8-bwd"):  # data x expert: per data replica
         mesh, ref, ep, x = layers(name, (2, 2), **({} if name.startswith("nvfp4") else dict(quantized_dispatch=False)))
@@ -167,6 +176,7 @@ def test_expert_parallel_equals_replicated():
         r = out[name + " quantized"]
         assert r["default"] and r["y"] and r["dx"] and len(r["grads"]) == 3 and all(r["grads"].values()), (name, r)
         assert len(r["expert_rel"]) == 2 and all(d <= own for d, own in r["expert_rel"].values()), (name, r)
+    assert out["nvfp4 sr"] == dict(y=True, finite=True), out["nvfp4 sr"]
     for name in ("bf16 2x2", "mxfp8 2x2", "nvfp4-fwd-mxfp8-bwd 2x2"):
         r = out[name]
         assert r["y"], (name, r)
@@ -201,4 +211,6 @@ def test_construction_errors():
     with pytest.raises(ValueError, match="quantized_dispatch=True needs"):
         ExpertParallelMoEMLP(64, 64, 4, mesh=mesh, quantized_dispatch=True, **kw)
     layer = ExpertParallelMoEMLP(64, 64, 4, mesh=mesh, recipe=recipes.MXFP8(), rngs=nnx.Rngs(0))
-    assert layer.quantized_dispatch and not ExpertParallelMoEMLP(64, 64, 4, mesh=mesh, **kw).quantized_dispatch
+    assert layer.dispatches_quantized() and not ExpertParallelMoEMLP(64, 64, 4, mesh=mesh, **kw).dispatches_quantized()
+    layer.recipe = recipes.BF16()  # as a policy may: the dispatch follows the recipe
+    assert not layer.dispatches_quantized()

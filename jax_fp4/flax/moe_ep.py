@@ -41,8 +41,9 @@ class ExpertParallelMoEMLP(MoEMLP):
       capacity_factor: None (default: dropless, the dispatch buffers sized for the worst case, T/m * k rows per
         source and destination) or cf > 0 (ceil(cf * T/m * k / n) rows, assignments past them dropped:
         `jax_fp4.expert_parallel.capacity`).
-      quantized_dispatch: None (default: True when the recipe quantizes the fprop x and the dgrad dy operands, e.g.
-        mxfp8, nvfp4, nvfp4-fwd-mxfp8-bwd; False for bf16), True (ValueError where the recipe cannot) or False:
+      quantized_dispatch: None (default: quantized when the recipe at call time quantizes the fprop x and the dgrad
+        dy operands, e.g. mxfp8, nvfp4, nvfp4-fwd-mxfp8-bwd; not for bf16), True (ValueError where the recipe
+        cannot) or False:
         dispatch the tokens (forward) and the down GEMM's dy (backward) as their quantized GEMM operands
         (`jax_fp4.expert_dispatch`), else in the compute dtype. The combine and dx always move the compute dtype.
 
@@ -74,11 +75,22 @@ class ExpertParallelMoEMLP(MoEMLP):
         super().__init__(in_features, hidden_features, num_experts, out_features, kernel_init=init, **kwargs)
         self.mesh, self.expert_axis, self.batch_axes = mesh, expert_axis, batch_axes
         self.capacity_factor = capacity_factor
+        self.quantized_dispatch = None if quantized_dispatch is None else bool(quantized_dispatch)
+        self.dispatches_quantized()  # checks the option against the recipe
+
+    def dispatches_quantized(self) -> bool:
+        """Whether a call dispatches quantized operands with the layer's current recipe (a policy may replace it):
+        ``quantized_dispatch`` if set, else whether the recipe can (`jax_fp4.expert_dispatch.quantized_dispatch`).
+
+        Raises:
+          ValueError: quantized_dispatch=True with a recipe that cannot.
+        """
         able = ed.quantized_dispatch(self.recipe)
-        if quantized_dispatch and not able:
-            raise ValueError(f"{where}: quantized_dispatch=True needs a recipe that quantizes the fprop x and the "
-                             f"dgrad dy operands; {self.recipe.name} does not (leave quantized_dispatch None)")
-        self.quantized_dispatch = able if quantized_dispatch is None else bool(quantized_dispatch)
+        if self.quantized_dispatch and not able:
+            raise ValueError(f"ExpertParallelMoEMLP: quantized_dispatch=True needs a recipe that quantizes the fprop x "
+                             f"and the dgrad dy operands without the RHT; {self.recipe.name} does not (leave "
+                             "quantized_dispatch None)")
+        return able if self.quantized_dispatch is None else self.quantized_dispatch
 
     def __call__(self, x: jax.Array, *, rngs: RngsLike = None, return_aux_loss: bool = False,
                  return_load: bool = False):
@@ -97,6 +109,7 @@ class ExpertParallelMoEMLP(MoEMLP):
         n = self.mesh.shape[self.expert_axis]
         cap = ep.capacity(t // m, self.top_k, n, self.capacity_factor)
         others = tuple(a for a in self.batch_axes if a != self.expert_axis)
+        quantized = self.dispatches_quantized()
 
         def body(x2, w, e, up, down, key):
             # The experts are replicated over the other batch axes: varying there, their gradients are summed over
@@ -104,7 +117,7 @@ class ExpertParallelMoEMLP(MoEMLP):
             up, down = ep.varying(up, others), ep.varying(down, others)
             return ep.expert_mlp(x2, w, e, up, down, recipe=self.recipe, num_experts=self.num_experts,
                                  axis_name=self.expert_axis, cap=cap, alignment=self.alignment,
-                                 activation=self.activation, key=key, quantized=self.quantized_dispatch)
+                                 activation=self.activation, key=key, quantized=quantized)
 
         tok, exp = P(self.batch_axes, None), P(self.expert_axis, None, None)
         keys = P() if key is not None else None

@@ -8,6 +8,8 @@
 #   one       no mesh: one GPU, experts replicated (the one-GPU ratio)
 #   ep4       --mesh 1x1x1x4 (4 GPUs)          dx4 --mesh 2x1x1x2 (4 GPUs: data x expert)
 #   profile   tools/profile_train.py of ep2 (kernel time by category, nccl exposed)
+#   fidelity  the small preset with --moe (8 experts, top-2) on one GPU, bf16 and nvfp4-fwd-mxfp8-bwd, seeds 0 1 2,
+#             300 steps: gaps.csv / gaps.json (each seed's gap to bf16, mean and spread)
 # Usage, from the repository root on a CUDA machine: bash tools/dev/moe_measure.sh [STEP ...] (default: ep2 one)
 # STEPS (default 100) sets --steps.
 set -uo pipefail
@@ -64,6 +66,9 @@ for step in "${steps[@]}"; do
              timeout 560 python3 -P "$R/tools/profile_train.py" --out "$OUT/profile_ep2.json" -- "${COMMON[@]}" \
                --mesh 1x1x1x2 --steps 16 --eval-every 16 --eval-batches 1 --out /tmp/profile_run \
                > "$OUT/profile_ep2.log" 2>&1; echo "profile rc=$?"; tail -30 "$OUT/profile_ep2.log" ;;
+    fidelity) timeout 560 python3 -P "$R/examples/lm/train_lm.py" --preset small --moe --steps 300 --no-progress \
+                --recipes bf16,nvfp4-fwd-mxfp8-bwd --seeds 0 1 2 --out "$OUT/fidelity" > "$OUT/fidelity.log" 2>&1
+              echo "fidelity rc=$?"; rm -rf "$OUT/fidelity/checkpoints"; tail -25 "$OUT/fidelity.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
