@@ -192,7 +192,8 @@ def _down_fwd(recipe, g, h, w, r, key):
     w_dgrad, w_fprop = _weight_pair(w, recipe.dgrad_w, recipe.fprop_w, kw)
     out = _product(h_fprop, w_fprop, r.sizes, FPROP_DIMS).astype(jnp.result_type(h, w))
     back = _exchange(out[r.rows], g)
-    return back, (_named(h_wgrad, 0), _named(w_dgrad, 1), r, kq, kdy, jnp.zeros((0,), h.dtype), jnp.zeros((0,), w.dtype))
+    tags = (jnp.zeros((0,), h.dtype), jnp.zeros((0,), w.dtype))
+    return back, (_named(h_wgrad, 0), _named(w_dgrad, 1), r, kq, kdy, *tags)
 
 
 def _down_bwd(recipe, g, res, dback):

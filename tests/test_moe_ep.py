@@ -14,8 +14,10 @@
 * quantized dispatch (the default for mxfp8, nvfp4-fwd-mxfp8-bwd, nvfp4-no-sr): y, dx and the router and norm
   gradients equal MoEMLP's bit for bit; the expert kernels' gradients (wgrad from the dequantized dispatched x^ and
   dy^) differ from the bf16 dispatch's by less than the recipe's own gradients differ from the bf16 recipe's;
-* uneven routing (quantized dispatch): every token routed to one expert (most others empty), dropless: y, dx and
-  the router and norm gradients as MoEMLP's, the expert gradients finite;
+* uneven routing (quantized dispatch): a router with one nonzero column (expert 5; the other logits tied at 0)
+  sends every token to expert 0 and each to expert 1 or 5 (about half each, by the sign of its normalized sum),
+  experts 2-4, 6 and 7 get none and devices 1 and 3 receive nothing, dropless: y, dx and the router and norm
+  gradients as MoEMLP's, the expert gradients finite;
 * capacity_factor: the buffers shrink and the assignments past the capacity are dropped (their terms leave y);
 * the step's all-to-alls (dtypes and shapes from the lowered HLO): bf16 rows for the bf16 dispatch; uint8 codes and
   scales for the quantized dispatch's x and dy (0.40 of the bf16 dispatch's bytes there), bf16 for y and dx;
@@ -28,7 +30,6 @@ import textwrap
 
 import numpy as np
 import pytest
-
 from _cpu_devices import run_results
 
 pytest.importorskip("flax")
@@ -116,14 +117,17 @@ SCRIPT = textwrap.dedent(
         out[name + " 2x2"] = dict(y=same(np.concatenate([h[0] for h in halves]), y1), dx=same(dx0, dx1),
                                   excess=excess, other_grads={k: same(g0[k], g1[k]) for k in g0 if k not in experts})
 
-    # Uneven routing (quantized dispatch): the router sends every token to expert 5 first (experts 5 and one other
-    # per token): expert 5's device receives every token, most other experts none.
+    # Uneven routing (quantized dispatch): logits 0 but for expert 5's (the sum of the normalized token), so every
+    # token goes to expert 0 (ties: the lowest index) and to expert 5 or 1: experts 2-4, 6, 7 and devices 1, 3 idle.
+    # (Checked below: the counts of the routed experts.)
     mesh, ref, ep, x = layers("nvfp4-fwd-mxfp8-bwd", (1, 4))
     for m in (ref, ep):
         m.router.kernel[...] = jnp.zeros((D, E)).at[:, 5].set(1.0)
     x = jnp.abs(x) + 0.1
     y0, dx0, g0 = run(ref, x)
     y1, dx1, g1 = run(ep, jax.device_put(x, NamedSharding(mesh, P(("data", "expert")))))
+    e = np.asarray(nnx.jit(lambda m, x: m.route(m.norm(x).reshape(-1, D))[2])(ref, x))
+    out["one expert counts"] = np.bincount(e.reshape(-1), minlength=E).tolist()
     out["one expert"] = dict(y=same(y0, y1), dx=same(dx0, dx1), grads={
         k: same(g0[k], g1[k]) if "up" not in k and "down" not in k else bool(np.all(np.isfinite(g1[k]))) for k in g0})
 
@@ -177,6 +181,9 @@ def test_expert_parallel_equals_replicated():
         assert r["default"] and r["y"] and r["dx"] and len(r["grads"]) == 3 and all(r["grads"].values()), (name, r)
         assert len(r["expert_rel"]) == 2 and all(d <= own for d, own in r["expert_rel"].values()), (name, r)
     assert out["nvfp4 sr"] == dict(y=True, finite=True), out["nvfp4 sr"]
+    counts = out["one expert counts"]
+    assert counts[0] == 128 and counts[1] + counts[5] == 128 and counts[1] > 0 and counts[5] > 0, counts
+    assert counts[2:5] == [0, 0, 0] and counts[6:] == [0, 0], counts
     for name in ("bf16 2x2", "mxfp8 2x2", "nvfp4-fwd-mxfp8-bwd 2x2"):
         r = out[name]
         assert r["y"], (name, r)

@@ -370,10 +370,10 @@ def make_optimizer(o: OptConfig) -> optax.GradientTransformation:
 def make_train_step(graphdef, state=None, mesh=None, diagnostics: bool = False):
     """train_step(state, batch) -> (state, {"loss", "aux_loss", "expert_load"}): ONE jax.jit of forward, backward
     (quantized GEMMs per the recipe, fresh stochastic-rounding keys from the layers' rng streams, whose counters live
-    in `state`), clipping and the AdamW update, on the functional state (model, optimizer) of `nnx.split`. loss: the cross-entropy,
-    aux_loss: the mean MoE load-balancing loss (0 without MoE), expert_load: the blocks' mean fraction of the
-    assignments per expert float32 [E] ([0] without MoE), all of the parameters before the update (the gradient is
-    that of `loss_fn`, which adds the weighted aux_loss); the input state's buffers are donated.
+    in `state`), clipping and the AdamW update, on the functional state (model, optimizer) of `nnx.split`. loss: the
+    cross-entropy, aux_loss: the mean MoE load-balancing loss (0 without MoE), expert_load: the blocks' mean fraction
+    of the assignments per expert float32 [E] ([0] without MoE), all of the parameters before the update (the
+    gradient is that of `loss_fn`, which adds the weighted aux_loss); the input state's buffers are donated.
 
     diagnostics: the step also returns {layer path: float32 [..., 6, 6]}, the quantization statistics of every
     jax_fp4 Dense layer's six GEMM operands (`jax_fp4.flax.diagnostics.value_and_grad`; the same update).
