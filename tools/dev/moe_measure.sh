@@ -11,22 +11,29 @@
 #   fidelity  the small preset with --moe (8 experts, top-2) on one GPU, bf16 and nvfp4-fwd-mxfp8-bwd, seeds 0 1 2,
 #             300 steps: gaps.csv / gaps.json (each seed's gap to bf16, mean and spread)
 # Usage, from the repository root on a CUDA machine: bash tools/dev/moe_measure.sh [STEP ...] (default: ep2 one)
-# STEPS (default 100) sets --steps.
+# Environment: STEPS (default 30) sets --steps; RECIPES (default bf16,nvfp4-fwd-mxfp8-bwd) the recipes of each run
+# (one recipe per call keeps a call short); /tmp/site is reused when it holds a build (REBUILD=1 rebuilds); XLA_FLAGS
+# pass through (e.g. --xla_gpu_experimental_use_ragged_dot_fusion=true where the jaxlib has cuDNN's ragged dot).
 set -uo pipefail
 R="$PWD"
 OUT="${OUT:-/tmp/out}"
-STEPS="${STEPS:-100}"
+STEPS="${STEPS:-30}"
+RECIPES="${RECIPES:-bf16,nvfp4-fwd-mxfp8-bwd}"
 mkdir -p "$OUT"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(ep2 one)
 S=$(date +%s)
-python3 -m pip install -q nvidia-cutlass==4.2.0.0 > "$OUT/cutlass.log" 2>&1
-python3 -m pip install --no-build-isolation --no-deps --target /tmp/site . > "$OUT/build.log" 2>&1
-echo "build rc=$? $(( $(date +%s) - S ))s"
+if [ -d /tmp/site/jax_fp4 ] && [ -z "${REBUILD:-}" ]; then
+  echo "build: reusing /tmp/site"
+else
+  python3 -m pip install -q nvidia-cutlass==4.2.0.0 > "$OUT/cutlass.log" 2>&1
+  python3 -m pip install --no-build-isolation --no-deps --target /tmp/site . > "$OUT/build.log" 2>&1
+  echo "build rc=$? $(( $(date +%s) - S ))s"
+fi
 nvidia-smi --query-gpu=name --format=csv,noheader
 cd /tmp || exit 1
 export PYTHONPATH=/tmp/site
-COMMON=(--preset moe-large --recipes bf16,nvfp4-fwd-mxfp8-bwd --steps "$STEPS" --eval-every "$STEPS" --eval-batches 2
+COMMON=(--preset moe-large --recipes "$RECIPES" --steps "$STEPS" --eval-every "$STEPS" --eval-batches 2
         --log-every 10 --no-progress --collectives)
 summary() {  # tokens/s, ratio, MFU, peak, compile, all-to-all bytes of $OUT/$1/summary.json
   python3 - "$OUT/$1/summary.json" "$1" <<'EOF'
@@ -50,7 +57,7 @@ run() {  # name, extra train_lm flags...
   ln -sfn /tmp/moe_tokenizer "/tmp/moe_runs/$name/tokenizer"
   timeout 560 python3 -P "$R/examples/lm/train_lm.py" "${COMMON[@]}" "$@" --out "/tmp/moe_runs/$name" \
     > "$OUT/$name.log" 2>&1
-  echo "$name rc=$?"
+  echo "$name rc=$? $(grep -m1 -iE "out of memory|RESOURCE_EXHAUSTED" "$OUT/$name.log")"
   cp /tmp/moe_runs/$name/summary.json /tmp/moe_runs/$name/curves.csv "$OUT/$name/" 2>/dev/null
   rm -rf "/tmp/moe_runs/$name/checkpoints"
   summary "$name" || tail -20 "$OUT/$name.log"
@@ -64,7 +71,7 @@ for step in "${steps[@]}"; do
     dx4) run dx4 --mesh 2x1x1x2 ;;
     profile) mkdir -p /tmp/profile_run /tmp/moe_tokenizer; ln -sfn /tmp/moe_tokenizer /tmp/profile_run/tokenizer
              timeout 560 python3 -P "$R/tools/profile_train.py" --out "$OUT/profile_ep2.json" -- "${COMMON[@]}" \
-               --mesh 1x1x1x2 --steps 16 --eval-every 16 --eval-batches 1 --out /tmp/profile_run \
+               --mesh 1x1x1x2 --steps 8 --eval-every 8 --eval-batches 1 --out /tmp/profile_run \
                > "$OUT/profile_ep2.log" 2>&1; echo "profile rc=$?"; tail -30 "$OUT/profile_ep2.log" ;;
     fidelity) timeout 560 python3 -P "$R/examples/lm/train_lm.py" --preset small --moe --steps 300 --no-progress \
                 --recipes bf16,nvfp4-fwd-mxfp8-bwd --seeds 0 1 2 --out "$OUT/fidelity" > "$OUT/fidelity.log" 2>&1
