@@ -175,7 +175,7 @@ def test_resume_equals_uninterrupted(tmp_path, capsys):
     (["--preset", "huge"], "--preset: invalid choice"),
     (["--mesh", "2by2"], "--mesh: '2by2' is not DATAxTENSOR or DATAxFSDPxTENSOR"),
     (["--mesh", "0x2"], "with positive sizes"),
-    (["--mesh", "1x2x3x4"], "with positive sizes"),
+    (["--mesh", "1x2x3x4x5"], "with positive sizes"),
     (["--mesh", "3x1"], "--mesh 3x1x1: --batch 8 does not split over the data x fsdp axes (3 x 1)"),
     (["--mesh", "1x3x1"], "--mesh 1x3x1: --batch 8 does not split over the data x fsdp axes (1 x 3)"),
     (["--mesh", "2x1", "--batch", "2"], "64 tokens per batch shard: must be a multiple of 128"),
@@ -196,8 +196,8 @@ def test_resume_equals_uninterrupted(tmp_path, capsys):
     (["--moe", "--aux-weight", "-1"], "--aux-weight: must be a number >= 0, got -1"),
     (["--moe", "4", "--top-k", "5"], "--top-k 5 exceeds the 4 experts of --moe"),
     (["--moe", "--top-k", "0"], "--top-k: must be an integer >= 1, got 0"),
-    (["--moe", "--mesh", "1x2"], "--mesh 1x1x2: --moe supports data parallelism only (fsdp 1, tensor 1, e.g. "
-                                 "--mesh 2x1)"),
+    (["--moe", "--mesh", "1x2"], "--mesh 1x1x2: --moe has no tensor parallelism (tensor 1): split the experts "
+                                 "over the expert axis instead, e.g. --mesh 1x1x1x2"),
 ])
 def test_bad_flags(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -207,11 +207,11 @@ def test_bad_flags(capsys, argv, message):
 
 
 def test_mesh_flag():
-    """--mesh parses DATAxTENSOR (fsdp 1) and DATAxFSDPxTENSOR; 1x1 fits the test process's one device. Sharded
-    training: test_sharding_train.py and test_train_lm_scale.py."""
+    """--mesh parses DATAxTENSOR (fsdp 1) and DATAxFSDPxTENSOR (expert 1); 1x1 fits the test process's one device.
+    Sharded training: test_sharding_train.py and test_train_lm_scale.py."""
     _, cfg, _ = train_lm.parse_args(["--mesh", "1x1"])
-    assert cfg.mesh == (1, 1, 1) and train_lm.parse_args([])[1].mesh is None
-    assert train_lm.parse_args(["--mesh", "1x1x1"])[1].mesh == (1, 1, 1)
+    assert cfg.mesh == (1, 1, 1, 1) and train_lm.parse_args([])[1].mesh is None  # (data, fsdp, tensor, expert)
+    assert train_lm.parse_args(["--mesh", "1x1x1"])[1].mesh == (1, 1, 1, 1)
     assert "mesh" not in cfg.resume_key()  # checkpoints hold global arrays: a run may resume on another mesh
     model = lm_model.ModelConfig(d_model=64, n_layers=1, n_heads=2, seq=64)
     assert lm_mesh.mesh_problems(model, 8, 2, 1, 2) == [] and lm_mesh.mesh_problems(model, 8, 1, 2, 1) == []
@@ -224,7 +224,7 @@ def test_fsdp_layer_recipe():
     reduce_dtype=...) with the same operand formats; bf16, None, one device and fsdp 1 keep the recipe."""
     from jax_fp4.distributed import ShardedRecipe
 
-    fsdp, dp = (jax.sharding.AbstractMesh(s, lm_mesh.AXES) for s in ((1, 2, 1), (2, 1, 2)))
+    fsdp, dp = (jax.sharding.AbstractMesh(s, lm_mesh.AXES) for s in ((1, 2, 1, 1), (2, 1, 2, 1)))
     for r in (recipes.NVFP4(), recipes.MXFP8(), recipes.NVFP4Fwd_MXFP8Bwd()):
         for red in ("float32", "output"):
             s = lm_mesh.layer_recipe(r, fsdp, red)
@@ -281,7 +281,7 @@ def test_moe_flags():
     assert (m.moe_experts, m.moe_top_k, m.moe_aux_weight) == (8, 2, 0.01)
     m = train_lm.parse_args(["--moe", "4", "--top-k", "1", "--aux-weight", "0"])[1].model
     assert (m.moe_experts, m.moe_top_k, m.moe_aux_weight) == (4, 1, 0.0)
-    assert train_lm.parse_args(["--moe", "--mesh", "1x1"])[1].mesh == (1, 1, 1)  # data parallel: allowed
+    assert train_lm.parse_args(["--moe", "--mesh", "1x1"])[1].mesh == (1, 1, 1, 1)  # data parallel: allowed
     dense = train_lm.parse_args([])[1]
     assert not dense.model.moe and not any(k.startswith("moe") for k in dense.resume_key()["model"])
     # nvfp4-1x64's experts: 1D NVFP4 for the grouped token operand of fprop; every other recipe unchanged

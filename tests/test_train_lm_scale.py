@@ -67,7 +67,7 @@ def test_large_presets(preset, low, high):
     attn = 12 * m.n_layers * m.d_model * m.seq
     assert lm_model.flops_per_token(m) == pytest.approx(6 * (n - m.vocab * m.d_model - 2 * m.n_layers * m.d_model
                                                              - m.d_model) + attn, rel=1e-9)
-    mesh = jax.sharding.AbstractMesh((1, 2, 1), lm_mesh.AXES)
+    mesh = jax.sharding.AbstractMesh((1, 2, 1, 1), lm_mesh.AXES)
     model = nnx.eval_shape(lambda: lm_model.make_model(m, NV, 0, mesh=mesh, segments=((0, 4), (4, m.n_layers))))
     batch = jax.ShapeDtypeStruct((cfg.batch, m.seq + 1), jnp.uint16)
     loss = jax.eval_shape(lambda mdl, b: lm_model.loss_fn(mdl, b), model, batch)

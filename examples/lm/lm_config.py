@@ -55,6 +55,14 @@ PRESETS = {
                        steps=1000, lr=3e-4, warmup=100, eval_every=250, eval_batches=4, log_every=25, ckpt_every=0,
                        scan=True, corpus="site-packages", arch="llama", remat="quantized", tokenizer="bpe",
                        vocab=32768, val_tokens=VAL_TOKENS),
+    # moe-large: the large (Llama) architecture at d_model 1024 with fine-grained mixture-of-experts MLPs: 64 SwiGLU
+    # experts of width 512 per block, top-8 routing, ~1.72B parameters of which ~0.31B active per token; seq 2048,
+    # BPE, 32k tokens per step; meant for an expert mesh (--mesh 1x1x1x2 on 2 GPUs: 32 experts per GPU). Peak lr
+    # 3e-4, as large-350m's (at 6e-4 runs of one seed part at this batch: docs/performance.md, "Measuring gaps").
+    "moe-large": dict(d_model=1024, layers=16, head_dim=64, kv_heads=4, mlp_hidden=512, moe=64, top_k=8, seq=2048,
+                      batch=16, steps=300, lr=3e-4, warmup=100, eval_every=100, eval_batches=4, log_every=10,
+                      ckpt_every=0, scan=True, corpus="site-packages", arch="llama", remat="quantized",
+                      tokenizer="bpe", vocab=32768, val_tokens=VAL_TOKENS),
 }
 CORPORA = ("stdlib", "site-packages")
 TOKENIZERS = ("bytes", "bpe")
@@ -73,7 +81,7 @@ class RunConfig:
     log_every: int
     ckpt_every: int
     seed: int
-    mesh: tuple[int, int, int] | None = None  # (data, fsdp, tensor); None: one device
+    mesh: tuple[int, int, int, int] | None = None  # (data, fsdp, tensor, expert); None: one device
     fsdp_reduce: str = "float32"  # fsdp > 1: the quantized layers' reduce_dtype (jax_fp4.distributed.shard_recipe)
     deterministic: bool = False  # XLA's deterministic ops and XLA attention (jax_fp4.determinism)
     final_eval_batches: int = 0  # batches of the run's last evaluation (0: eval_batches)
@@ -92,7 +100,7 @@ class RunConfig:
         return {"model": model, "batch": self.batch, "lr": self.lr, "warmup": self.warmup, "seed": self.seed}
 
 
-NEW_MODEL_FIELDS = ("arch", "kv_heads", "mlp_hidden", "remat", "vocab")
+NEW_MODEL_FIELDS = ("arch", "kv_heads", "mlp_hidden", "remat", "vocab", "moe_capacity")
 RUN_ONLY_MODEL_FIELDS = ("attention",)  # how a step runs, not what it trains: a checkpoint resumes under either
 
 
@@ -121,13 +129,14 @@ def _positive_float(s):
 
 
 def _mesh_shape(s):
-    """(data, fsdp, tensor) of "DATAxTENSOR" (fsdp 1) or "DATAxFSDPxTENSOR"."""
+    """(data, fsdp, tensor, expert) of "DATAxTENSOR" (fsdp 1, expert 1), "DATAxFSDPxTENSOR" (expert 1) or
+    "DATAxFSDPxTENSORxEXPERT"."""
     parts = re.split(r"\s*[xX]\s*", s.strip())
-    if len(parts) not in (2, 3) or not all(p.isdigit() and int(p) >= 1 for p in parts):
-        raise argparse.ArgumentTypeError(f"{s!r} is not DATAxTENSOR or DATAxFSDPxTENSOR with positive sizes, e.g. "
-                                         "2x1, 1x2, 2x4 or 1x2x1")
+    if len(parts) not in (2, 3, 4) or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"{s!r} is not DATAxTENSOR or DATAxFSDPxTENSOR (or DATAxFSDPxTENSORxEXPERT) "
+                                         "with positive sizes, e.g. 2x1, 1x2, 2x4, 1x2x1 or 1x1x1x2")
     sizes = [int(p) for p in parts]
-    return (sizes[0], 1, sizes[1]) if len(sizes) == 2 else tuple(sizes)
+    return (sizes[0], 1, sizes[1], 1) if len(sizes) == 2 else tuple(sizes) + (1,) * (4 - len(sizes))
 
 
 def _nonnegative_float(s):
@@ -207,10 +216,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", choices=TOKENIZERS, help="bytes (vocab 256) or bpe (a byte-level BPE trained on "
                                                            "the corpus, cached under --out; default: the preset's)")
     p.add_argument("--vocab", type=_int_at_least(257), help="with --tokenizer bpe: the vocabulary size")
-    p.add_argument("--mesh", type=_mesh_shape, metavar="DATAx[FSDPx]TENSOR",
-                   help="shard the step over a data x fsdp x tensor device mesh, e.g. 2x1 (data parallel), 1x2x1 "
-                        "(fsdp), 1x2 (tensor parallel), 2x4; the product must equal the device count (default: "
-                        "one device)")
+    p.add_argument("--mesh", type=_mesh_shape, metavar="DATAx[FSDPx]TENSOR[xEXPERT]",
+                   help="shard the step over a data x fsdp x tensor (x expert) device mesh, e.g. 2x1 (data "
+                        "parallel), 1x2x1 (fsdp), 1x2 (tensor parallel), 2x4, 1x1x1x2 (MoE: experts split over 2 "
+                        "devices), 2x1x1x2; the product must equal the device count (default: one device)")
     p.add_argument("--fsdp-reduce", choices=REDUCE_DTYPES,
                    help="with a mesh of fsdp > 1 (the quantized layers gather their weights' codes and scales, "
                         "jax_fp4.distributed.shard_recipe): sum the partial GEMM products of sharded contractions "
@@ -221,6 +230,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=_int_at_least(1), help=f"with --moe: experts per token (default {MOE_TOP_K})")
     p.add_argument("--aux-weight", type=_nonnegative_float,
                    help=f"with --moe: weight of the load-balancing loss (default {MOE_AUX_WEIGHT}; 0: none)")
+    p.add_argument("--capacity-factor", type=_positive_float,
+                   help="with --moe on an expert mesh: rows per (source, destination) device pair in the all-to-all "
+                        "buffers, as a multiple of the balanced share (jax_fp4.expert_parallel.capacity); "
+                        "assignments past them are dropped (default: dropless)")
     p.add_argument("--seed", type=int, default=0, help="initialization and data-order seed (default 0)")
     p.add_argument("--data", type=_existing_file, help="train on this text file instead of the Python stdlib")
     p.add_argument("--corpus", choices=CORPORA, help="the embedded corpus: the stdlib's .py files, or every .py under "
@@ -257,12 +270,15 @@ def parse_args(argv=None):
     if (v["batch"] * v["seq"]) % 128:
         parser.error(f"--batch {v['batch']} x --seq {v['seq']} = {v['batch'] * v['seq']} tokens per batch: must be a "
                      "multiple of 128 (the quantized GEMMs block the token axis in the weight gradient)")
-    for flag in ("top_k", "aux_weight"):
-        if args.moe is None and getattr(args, flag) is not None:
+    experts = args.moe if args.moe is not None else v.get("moe")  # a moe preset's experts and top-k
+    for flag in ("top_k", "aux_weight", "capacity_factor"):
+        if experts is None and getattr(args, flag) is not None:
             parser.error(f"--{flag.replace('_', '-')} needs --moe")
-    moe = {} if args.moe is None else dict(
-        moe_experts=args.moe, moe_top_k=MOE_TOP_K if args.top_k is None else args.top_k,
-        moe_aux_weight=MOE_AUX_WEIGHT if args.aux_weight is None else args.aux_weight)
+    top_k = args.top_k if args.top_k is not None else v.get("top_k", MOE_TOP_K)
+    moe = {} if experts is None else dict(
+        moe_experts=experts, moe_top_k=top_k,
+        moe_aux_weight=MOE_AUX_WEIGHT if args.aux_weight is None else args.aux_weight,
+        moe_capacity=args.capacity_factor or 0.0)
     if moe and not moe["moe_top_k"] <= moe["moe_experts"]:
         parser.error(f"--top-k {moe['moe_top_k']} exceeds the {moe['moe_experts']} experts of --moe")
     model = lm_model.ModelConfig(
@@ -275,13 +291,17 @@ def parse_args(argv=None):
         parser.error(problem)
     if args.fsdp_reduce is not None and (args.mesh is None or args.mesh[1] == 1):
         parser.error("--fsdp-reduce needs a --mesh DATAxFSDPxTENSOR with fsdp > 1, e.g. 1x2x1")
+    if args.capacity_factor is not None and (args.mesh is None or args.mesh[3] == 1):
+        parser.error("--capacity-factor needs an expert axis (--mesh DATAxFSDPxTENSORxEXPERT with expert > 1): "
+                     "without one nothing is dispatched, nothing dropped")
     if args.mesh is not None:
-        shape = "x".join(map(str, args.mesh))
+        shape = "x".join(map(str, args.mesh if args.mesh[3] > 1 else args.mesh[:3]))
         for problem in lm_mesh.mesh_problems(model, v["batch"], *args.mesh):
             parser.error(f"--mesh {shape}: {problem}")
         devices, n = jax.devices(), math.prod(args.mesh)
         if n != len(devices):
-            parser.error(f"--mesh {shape} needs data x fsdp x tensor = {n} devices; there are "
+            axes = "data x fsdp x tensor" + (" x expert" if args.mesh[3] > 1 else "")
+            parser.error(f"--mesh {shape} needs {axes} = {n} devices; there are "
                          f"{len(devices)} ({devices[0].platform}): the product must equal the device count")
     cfg = RunConfig(model=model, batch=v["batch"], steps=v["steps"], lr=v["lr"], warmup=v["warmup"],
                     eval_every=v["eval_every"], eval_batches=v["eval_batches"], log_every=v["log_every"],

@@ -20,6 +20,8 @@ Activation checkpointing (``remat``), per block (`remat_policy`):
     wgrad, the rowwise-quantized weight of dgrad), for unquantized (bf16) layers the input x tagged `GEMM_INPUT` by
     LlamaBlock. The backward recomputes the norms, rope, attention, SwiGLU and the qkv / up GEMMs whose outputs they
     need (the out / down outputs only feed residual sums); nothing is quantized twice for the weight gradients.
+    Expert-parallel MoE layers also keep what their all-to-alls produced (`jax_fp4.expert_parallel.SAVE_NAME`), so
+    the backward repeats no collective.
     GPT blocks tag no bf16 input: there "quantized" keeps the quantized residuals and recomputes bf16 layers' inputs.
   * "full": `jax.checkpoint` saving nothing but the block's input (the whole block recomputed).
 """
@@ -31,9 +33,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from lm_mesh import heads_sharding, param_axes
+from lm_moe import make_moe, moe_call
 
 from jax_fp4 import determinism
 from jax_fp4.dense import RESIDUAL_NAMES
+from jax_fp4.expert_parallel import SAVE_NAME as EXPERT_PARALLEL_SAVED
 from jax_fp4.flax import nnx as fnnx
 
 REMAT = ("none", "quantized", "full")
@@ -46,7 +50,7 @@ def remat_policy(name: str):
     if name == "none":
         return None
     if name == "quantized":
-        return jax.checkpoint_policies.save_only_these_names(*RESIDUAL_NAMES, GEMM_INPUT)
+        return jax.checkpoint_policies.save_only_these_names(*RESIDUAL_NAMES, GEMM_INPUT, EXPERT_PARALLEL_SAVED)
     if name == "full":
         return jax.checkpoint_policies.nothing_saveable
     raise ValueError(f"remat must be one of {REMAT}, got {name!r}")
@@ -109,12 +113,16 @@ class LlamaBlock(nnx.Module):
         self.attn_norm = nnx.RMSNorm(d, **norm)
         self.qkv = fnnx.Dense(d, (h + 2 * kv) * hd, kernel_init=annotate(init, "col", mesh), **dense)
         self.out = fnnx.Dense(h * hd, d, kernel_init=annotate(small, "row", mesh), **dense)
+        if cfg.moe:  # pre-norm RMSNorm, SwiGLU experts of width cfg.hidden (lm_moe.make_moe)
+            self.mlp = make_moe(cfg, recipe, rngs, dtype, mesh, activation="swiglu", norm="rmsnorm",
+                                hidden=cfg.hidden)
+            return
         self.mlp_norm = nnx.RMSNorm(d, **norm)
         self.up = fnnx.Dense(d, 2 * cfg.hidden, kernel_init=annotate(init, "col", mesh), **dense)
         self.down = fnnx.Dense(cfg.hidden, d, kernel_init=annotate(small, "row", mesh), **dense)
 
     def __call__(self, x):
-        """(x [B, T, d] after the block, float32 0: no load-balancing loss)."""
+        """(x [B, T, d] after the block, float32 0: no load-balancing loss; MoE: `lm_model.moe_call`'s aux)."""
         b, t, d = x.shape
         h, kv, dh = self.cfg.n_heads, self.cfg.kv, self.cfg.head_dim
         y = self.attn_norm(x)
@@ -124,6 +132,9 @@ class LlamaBlock(nnx.Module):
         q, k = rope(q, self.cfg.rope_base), rope(k, self.cfg.rope_base)
         a = attention(q, k, v, self.mesh, self.cfg.attention).reshape(b, t, h * dh)
         x = x + self.out(_gemm_input(self.out, a))
+        if self.cfg.moe:
+            y, aux = moe_call(self.mlp, x)
+            return x + y, aux
         y = self.mlp_norm(x)
         u = self.up(_gemm_input(self.up, y)).reshape(b, t, -1, 2, SWIGLU_CHUNK)
         g = (jax.nn.silu(u[:, :, :, 0]) * u[:, :, :, 1]).reshape(b, t, self.cfg.hidden)

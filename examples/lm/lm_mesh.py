@@ -1,4 +1,5 @@
-"""Device meshes of train_lm.py: axes ("data", "fsdp", "tensor"), the parameter and batch shardings, and the checks.
+"""Device meshes of train_lm.py: axes ("data", "fsdp", "tensor", "expert"), the parameter and batch shardings, and
+the checks.
 
   * "data": the batch is split over it; parameters and optimizer state are replicated over it.
   * "fsdp": the batch is split over it too, and every matrix (GEMM kernels, embedding, logits head) is split over it
@@ -11,6 +12,10 @@
     across shards in float32 (bit-exact), "output" in the GEMM's output dtype (bfloat16: half the bytes). XLA reduces
     the gradients of the rest as it chooses (`train_lm --collectives` lists what a compiled step does).
   * "tensor": Megatron tensor parallelism (column-split qkv / MLP-up, row-split attention output / MLP-down, heads).
+  * "expert" (MoE models): expert parallelism. The batch is split over it too; every MoE layer is a
+    `jax_fp4.flax.moe_ep.ExpertParallelMoEMLP` whose expert kernels [E, ...] are split over it (E / expert experts
+    per device, replicated over data and fsdp), the tokens moving to their experts' devices and back by all-to-all
+    (quantized dispatch for quantized recipes); the dense layers treat it as another data axis.
 Norm scales and biases (small) are replicated over "fsdp". An axis of size 1 is left out of every annotation.
 """
 
@@ -22,16 +27,18 @@ from jax.sharding import PartitionSpec as P
 
 from jax_fp4.distributed import shard_recipe
 
-DATA, FSDP, TENSOR = "data", "fsdp", "tensor"  # mesh axis names
-AXES = (DATA, FSDP, TENSOR)
-BATCH = (DATA, FSDP)  # the axes the token batch is split over
+DATA, FSDP, TENSOR, EXPERT = "data", "fsdp", "tensor", "expert"  # mesh axis names
+AXES = (DATA, FSDP, TENSOR, EXPERT)
+BATCH = (DATA, FSDP, EXPERT)  # the axes the token batch is split over
 
 
-def make_mesh(data: int, fsdp: int, tensor: int):
-    """A (data, fsdp, tensor) `jax.sharding.Mesh` over the first data * fsdp * tensor devices (Auto axes: XLA
-    propagates the annotations; jax.make_mesh's device order suits the interconnect)."""
-    auto = (jax.sharding.AxisType.Auto,) * 3
-    return jax.make_mesh((data, fsdp, tensor), AXES, axis_types=auto, devices=jax.devices()[:data * fsdp * tensor])
+def make_mesh(data: int, fsdp: int, tensor: int, expert: int = 1):
+    """A (data, fsdp, tensor, expert) `jax.sharding.Mesh` over the first data * fsdp * tensor * expert devices (Auto
+    axes: XLA propagates the annotations; jax.make_mesh's device order suits the interconnect, the last axes the
+    closest devices)."""
+    auto = (jax.sharding.AxisType.Auto,) * 4
+    n = data * fsdp * tensor * expert
+    return jax.make_mesh((data, fsdp, tensor, expert), AXES, axis_types=auto, devices=jax.devices()[:n])
 
 
 def _used(mesh, axis):
@@ -63,7 +70,7 @@ def layer_recipe(recipe, mesh, reduce_dtype: str = "float32"):
 
 
 def batch_sharding(mesh):
-    """The sharding of a token batch [B, T + 1]: B split over "data" and "fsdp"."""
+    """The sharding of a token batch [B, T + 1]: B split over "data", "fsdp" and "expert"."""
     return NamedSharding(mesh, P(BATCH, None))
 
 
@@ -72,15 +79,18 @@ def heads_sharding(mesh):
     return NamedSharding(mesh, P(BATCH, None, TENSOR, None))
 
 
-def mesh_problems(cfg, batch: int, data: int, fsdp: int, tensor: int) -> list[str]:
-    """Why a (data, fsdp, tensor) mesh does not suit this model and batch (empty when it does): the batch splits
-    over data x fsdp and every shard keeps whole 128-token blocks; the heads (and kv heads) split over "tensor" in
+def mesh_problems(cfg, batch: int, data: int, fsdp: int, tensor: int, expert: int = 1) -> list[str]:
+    """Why a (data, fsdp, tensor, expert) mesh does not suit this model and batch (empty when it does): the batch
+    splits over data x fsdp x expert and every shard keeps whole 128-token blocks; an expert axis needs an MoE model
+    whose experts split evenly over it, and MoE models no tensor axis; the heads (and kv heads) split over "tensor" in
     slices of whole 32-element MXFP8 blocks; every fsdp-split dimension (d_model, the MLP width, the vocabulary)
     splits into whole 32-element blocks (NVFP4 1x64 windows of 64 may straddle shards: see `mesh_notes`)."""
     errs = []
-    shards = data * fsdp
+    shards = data * fsdp * expert
     if batch % shards:
-        errs.append(f"--batch {batch} does not split over the data x fsdp axes ({data} x {fsdp})")
+        axes = (f"data x fsdp axes ({data} x {fsdp})" if expert == 1 else
+                f"data x fsdp x expert axes ({data} x {fsdp} x {expert})")
+        errs.append(f"--batch {batch} does not split over the {axes}")
     elif (batch // shards * cfg.seq) % 128:
         errs.append(f"{batch // shards} sequences x seq {cfg.seq} = {batch // shards * cfg.seq} tokens per batch "
                     "shard: must be a multiple of 128 (the quantized GEMMs' blocks along the token axis must not "
@@ -95,9 +105,14 @@ def mesh_problems(cfg, batch: int, data: int, fsdp: int, tensor: int) -> list[st
         if fsdp > 1 and (n % fsdp or (n // fsdp) % 32):
             errs.append(f"{name} {n} does not split over the fsdp axis ({fsdp}) into multiples of 32 (the MXFP8 "
                         "blocks of a weight must not straddle shards)")
-    if cfg.moe and (tensor > 1 or fsdp > 1):
-        errs.append(f"--moe supports data parallelism only (fsdp 1, tensor 1, e.g. --mesh {data * fsdp * tensor}x1): "
-                    "the experts are replicated, neither expert parallelism nor a split of the experts is implemented")
+    if cfg.moe and tensor > 1:
+        errs.append(f"--moe has no tensor parallelism (tensor 1): split the experts over the expert axis instead, e.g. "
+                    f"--mesh {data}x{fsdp}x1x{expert * tensor}")
+    if expert > 1 and not cfg.moe:
+        errs.append(f"an expert axis ({expert}) needs mixture-of-experts MLPs (--moe or a moe preset)")
+    elif expert > 1 and cfg.moe_experts % expert:
+        errs.append(f"the {cfg.moe_experts} experts do not split over the expert axis ({expert}): every device must "
+                    "hold the same number of experts")
     return errs
 
 

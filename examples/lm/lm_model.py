@@ -8,13 +8,16 @@ Two block kinds (``ModelConfig.arch``):
   * "llama": `lm_layers.LlamaBlock` (RMSNorm, grouped-query attention, SwiGLU MLP, no biases) and a final RMSNorm.
   * Unquantized, bfloat16 compute: the token embedding, the attention itself (q.k^T and p.v, causal, rotary position
     embedding on q and k), the final norm and the logits head (`nnx.Linear`, untied from the embedding).
-  * Mixture of experts (gpt, ``moe_experts`` E > 0): every block's MLP is a `jax_fp4.flax.moe.MoEMLP` instead:
-    pre-norm LayerNorm, a bfloat16 router (unquantized) picking the top ``moe_top_k`` of E experts per token (Mixtral
-    routing, dropless), each expert a GELU MLP [d, mlp_ratio*d] -> [mlp_ratio*d, d] like the dense MLP (so each
-    token's compute is top_k x the dense MLP's, the parameters E x), its grouped GEMMs quantized through
-    `jax_fp4.ragged_dot` (`expert_recipe`: the recipe, with NVFP4 1x64's fprop x in 1D NVFP4 since grouped quantize
-    has no 1x64 encode). The objective adds ``moe_aux_weight`` x the Switch load-balancing loss (MoEMLP's
-    E * sum_e f_e P_e, averaged over the blocks; 1 when balanced) to the cross-entropy (`loss_terms`).
+  * Mixture of experts (``moe_experts`` E > 0): every block's MLP is a `jax_fp4.flax.moe.MoEMLP` instead
+    (`lm_moe.make_moe`; `jax_fp4.flax.moe_ep.ExpertParallelMoEMLP` on a mesh with an "expert" axis > 1): a pre-norm
+    (gpt LayerNorm, llama RMSNorm), a bfloat16 router (unquantized) picking the top ``moe_top_k`` of E experts per
+    token (Mixtral routing, dropless unless ``moe_capacity`` > 0 under expert parallelism), each expert an MLP of the
+    dense MLP's kind and width (gpt: GELU [d, hidden] -> [hidden, d]; llama: SwiGLU, fine-grained experts with a
+    small ``mlp_hidden``), so each token's MLP compute is top_k x one expert's, the parameters E x; its grouped GEMMs
+    quantized through `jax_fp4.ragged_dot` (`expert_recipe`: the recipe, with NVFP4 1x64's fprop x in 1D NVFP4 since
+    grouped quantize has no 1x64 encode). The objective adds ``moe_aux_weight`` x the Switch load-balancing loss
+    (MoEMLP's E * sum_e f_e P_e, averaged over the blocks; 1 when balanced) to the cross-entropy (`loss_terms`); the
+    train step also returns the blocks' mean per-expert load (`loss_terms_with_load`).
 Parameters are float32 (AdamW's master weights); every layer computes in bfloat16; the loss is float32.
 
 Block layouts: unrolled (``blocks``: an nnx.List, paths "blocks/<i>/...") or, with ``scan_layers``, stacked
@@ -47,9 +50,11 @@ device, nothing annotated):
     order, so a column shard holds a contiguous slice of [q | k | v] rather than the q, k and v of its heads: XLA
     moves the misplaced heads between tensor shards (collective-permute / all-to-all). The llama block's kv-group
     major order avoids that (see lm_layers).
-  Norms stay replicated. MoE blocks: data parallel only (experts and router replicated; `lm_mesh.mesh_problems`
-  rejects fsdp or tensor > 1). The jax_fp4 primitives partition themselves (custom_partitioning): quantize runs per
-  shard with the tensor amax reduced across shards, so every quantized operand equals the unsharded one.
+  * expert parallel ("expert" axis, MoE models): the batch split over it as well, the expert kernels split over it
+    (`lm_moe.make_moe`), the rest replicated over it; no tensor parallelism with MoE (`lm_mesh.mesh_problems`).
+  Norms stay replicated; the router and, without an expert axis, the experts are replicated. The jax_fp4
+  primitives partition themselves (custom_partitioning): quantize runs per shard with the tensor amax reduced across
+  shards, so every quantized operand equals the unsharded one.
   `make_train_step(graphdef, state, mesh)` jits the step with these in / out shardings.
 """
 
@@ -67,13 +72,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from lm_layers import ATTENTION, REMAT, LlamaBlock, annotate, attention, remat_policy, rope
 from lm_mesh import batch_sharding, layer_recipe, state_shardings
+from lm_moe import expert_recipe, make_moe, moe_call
 
 from jax_fp4 import determinism
 from jax_fp4.flax import diagnostics as fdiag
 from jax_fp4.flax import nnx as fnnx
 from jax_fp4.flax import policy as fpolicy
 from jax_fp4.flax.moe import MoEMLP
-from jax_fp4.formats import NVFP4 as NVFP4Format
 from jax_fp4.policy import block_segments, format_table
 from jax_fp4.recipes import BF16, Recipe
 
@@ -94,6 +99,7 @@ class ModelConfig:
     moe_experts: int = 0  # > 0: every block's MLP is a top-k mixture of this many experts
     moe_top_k: int = 2  # experts per token
     moe_aux_weight: float = 0.01  # weight of the load-balancing loss in the objective
+    moe_capacity: float = 0.0  # expert parallelism: the dispatch capacity factor (0: dropless)
     arch: str = "gpt"  # "gpt" (LayerNorm, GELU MLP, biases) or "llama" (RMSNorm, SwiGLU, GQA, no biases)
     kv_heads: int = 0  # llama: key / value heads (0: n_heads)
     mlp_hidden: int = 0  # the MLP width (0: mlp_ratio x d_model)
@@ -135,25 +141,13 @@ class ModelConfig:
             errs.append(f"kv_heads {self.kv} must divide n_heads {self.n_heads} (and equal it for the gpt block)")
         if self.hidden % (128 if self.arch == "llama" else 64):
             errs.append(f"the MLP width {self.hidden} must be a multiple of 64 (llama: 128, whole SwiGLU chunk pairs)")
-        if self.arch == "llama" and self.moe:
-            errs.append("mixture-of-experts MLPs need the gpt block")
+        if self.moe_capacity < 0 or not math.isfinite(self.moe_capacity):
+            errs.append(f"the capacity factor {self.moe_capacity} must be a finite number >= 0 (0: dropless)")
         if self.remat not in REMAT:
             errs.append(f"remat {self.remat!r} must be one of {REMAT}")
         if self.attention not in ATTENTION:
             errs.append(f"attention {self.attention!r} must be one of {ATTENTION}")
         return errs
-
-
-def expert_recipe(recipe: Recipe) -> Recipe:
-    """The recipe of the MoE expert GEMMs: `recipe`, except that a grouped (token) operand grouped quantize cannot
-    encode (NVFP4 1x64: single-tensor only) becomes 1D NVFP4; the expert weights (quantized per expert) keep theirs.
-    Only nvfp4-1x64 changes: its fprop x then uses 1x16 blocks with one tensor scale per expert group."""
-    fmts = {}
-    for name in ("fprop_x", "wgrad_x", "dgrad_dy", "wgrad_dy"):
-        f = getattr(recipe, name)
-        if isinstance(f, NVFP4Format) and (f.local_1x64 or f.scaling_2d):
-            fmts[name] = f.replace(local_1x64=False, scaling_2d=False)
-    return dataclasses.replace(recipe, name=f"{recipe.name}-experts", **fmts) if fmts else recipe
 
 
 class Block(nnx.Module):
@@ -172,9 +166,9 @@ class Block(nnx.Module):
         small = nnx.initializers.variance_scaling(1.0 / (2 * cfg.n_layers), "fan_in", "truncated_normal")
         self.out = fnnx.Dense(d, d, recipe=recipe, dtype=dtype, kernel_init=annotate(small, "row", mesh),
                               rngs=rngs)
-        if cfg.moe:  # replicated (data parallel only: see mesh_problems)
-            self.mlp = MoEMLP(d, cfg.mlp_ratio * d, cfg.moe_experts, recipe=expert_recipe(recipe),
-                              top_k=cfg.moe_top_k, activation="gelu", norm="layernorm", dtype=dtype, rngs=rngs)
+        if cfg.moe:  # replicated, or split over the "expert" mesh axis (lm_moe.make_moe)
+            self.mlp = make_moe(cfg, recipe, rngs, dtype, mesh, activation="gelu", norm="layernorm",
+                                hidden=cfg.hidden)
         else:
             self.mlp = fnnx.LayerNormMLP(d, cfg.mlp_ratio * d, recipe=recipe, activation="gelu", dtype=dtype,
                                          rngs=rngs, down_kernel_init=annotate(fnnx.default_kernel_init, "row", mesh),
@@ -189,7 +183,7 @@ class Block(nnx.Module):
         a = attention(q, k, v, self.mesh, self.cfg.attention)
         x = x + self.out(a.reshape(b, t, d))
         if self.cfg.moe:
-            y, aux = self.mlp(x, return_aux_loss=True)
+            y, aux = moe_call(self.mlp, x)
             return x + y, aux
         return x + self.mlp(x), jnp.zeros((), jnp.float32)
 
@@ -248,8 +242,10 @@ class GPT(nnx.Module):
             return e(tokens)
         return jax.nn.one_hot(tokens, self.cfg.vocab, dtype=e.dtype) @ e.embedding[...].astype(e.dtype)
 
-    def __call__(self, tokens, *, return_aux_loss: bool = False):
-        """logits; with return_aux_loss also the blocks' mean MoE load-balancing loss (0 without MoE)."""
+    def __call__(self, tokens, *, return_aux_loss: bool = False, return_load: bool = False):
+        """logits; with return_aux_loss also the blocks' mean MoE load-balancing loss (0 without MoE); with
+        return_load also the blocks' mean per-expert load float32 [E] (the fraction of assignments per expert; [0]
+        without MoE)."""
         x = self.embed_tokens(tokens)
         policy = remat_policy(self.cfg.remat)
         if self.cfg.scan_layers:
@@ -267,7 +263,10 @@ class GPT(nnx.Module):
                 aux.append(a)
             aux = jnp.stack(aux)
         logits = self.head(self.norm(x)).astype(jnp.float32)
-        return (logits, jnp.mean(aux)) if return_aux_loss else logits
+        loss, load = (jnp.mean(aux[:, 0]), jnp.mean(aux[:, 1:], axis=0)) if self.cfg.moe else (jnp.mean(aux),
+                                                                                                  aux[:0])
+        out = (logits,) + ((loss,) if return_aux_loss else ()) + ((load,) if return_load else ())
+        return out if len(out) > 1 else logits
 
 
 _LAYER_AXIS = {nnx.PARTITION_NAME: None}  # the stacked layer axis: unsharded (inserted into the sharding annotations)
@@ -330,11 +329,18 @@ def loss_terms(model: GPT, batch):
     next-token cross-entropy (nats), the blocks' mean MoE load-balancing loss aux (0 without MoE), objective =
     cross-entropy + moe_aux_weight * aux; the per-sequence cross-entropy float32 [B] (each sequence's mean over its T
     tokens: the samples of the validation loss's standard error)."""
+    obj, (ce, aux, seq, _) = loss_terms_with_load(model, batch)
+    return obj, (ce, aux, seq)
+
+
+def loss_terms_with_load(model: GPT, batch):
+    """`loss_terms` with the blocks' mean per-expert load float32 [E] ([0] without MoE): (objective, (cross-entropy,
+    aux, per-sequence cross-entropy, load))."""
     batch = batch.astype(jnp.int32)
-    logits, aux = model(batch[:, :-1], return_aux_loss=True)
+    logits, aux, load = model(batch[:, :-1], return_aux_loss=True, return_load=True)
     tokens = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
     ce = tokens.mean()
-    return (ce + model.cfg.moe_aux_weight * aux if model.cfg.moe else ce), (ce, aux, tokens.mean(axis=1))
+    return (ce + model.cfg.moe_aux_weight * aux if model.cfg.moe else ce), (ce, aux, tokens.mean(axis=1), load)
 
 
 def loss_fn(model: GPT, batch):
@@ -369,12 +375,13 @@ def make_optimizer(o: OptConfig) -> optax.GradientTransformation:
 
 
 def make_train_step(graphdef, state=None, mesh=None, diagnostics: bool = False, deterministic: bool = False):
-    """train_step(state, batch) -> (state, {"loss", "aux_loss", "seq_loss"}): ONE jax.jit of forward, backward
-    (quantized GEMMs per the recipe, fresh stochastic-rounding keys from the layers' rng streams, whose counters live
-    in `state`), clipping and the AdamW update, on the functional state (model, optimizer) of `nnx.split`. loss: the
-    cross-entropy, aux_loss: the mean MoE load-balancing loss (0 without MoE), seq_loss: float32 [B], each
-    sequence's cross-entropy, all of the parameters before the update (the gradient is that of `loss_fn`, which adds
-    the weighted aux_loss); the input state's buffers are donated.
+    """train_step(state, batch) -> (state, {"loss", "aux_loss", "seq_loss", "expert_load"}): ONE jax.jit of forward,
+    backward (quantized GEMMs per the recipe, fresh stochastic-rounding keys from the layers' rng streams, whose
+    counters live in `state`), clipping and the AdamW update, on the functional state (model, optimizer) of
+    `nnx.split`. loss: the cross-entropy, aux_loss: the mean MoE load-balancing loss (0 without MoE), seq_loss: float32
+    [B], each sequence's cross-entropy, expert_load: the blocks' mean fraction of the assignments per expert float32
+    [E] ([0] without MoE), all of the parameters before the update (the gradient is that of `loss_fn`, which adds the
+    weighted aux_loss); the input state's buffers are donated.
 
     deterministic: compile with `jax_fp4.determinism.compiler_options()` (XLA's deterministic ops; the model's
     attention must then be "xla": `ModelConfig.attention`), so two runs of the step give the same bits.
@@ -388,11 +395,12 @@ def make_train_step(graphdef, state=None, mesh=None, diagnostics: bool = False, 
     def train(state, batch):
         model, opt = nnx.merge(graphdef, state)
         if diagnostics:
-            (_, (ce, aux, seq)), grads, stats = fdiag.value_and_grad(loss_terms, has_aux=True)(model, batch)
+            (_, (ce, aux, seq, load)), grads, stats = fdiag.value_and_grad(loss_terms_with_load, has_aux=True)(
+                model, batch)
         else:
-            (_, (ce, aux, seq)), grads = nnx.value_and_grad(loss_terms, has_aux=True)(model, batch)
+            (_, (ce, aux, seq, load)), grads = nnx.value_and_grad(loss_terms_with_load, has_aux=True)(model, batch)
         opt.update(model, grads)
-        losses = {"loss": ce, "aux_loss": aux, "seq_loss": seq}
+        losses = {"loss": ce, "aux_loss": aux, "seq_loss": seq, "expert_load": load}
         return (nnx.state((model, opt)), losses, stats) if diagnostics else (nnx.state((model, opt)), losses)
 
     opts = determinism.compiler_options(deterministic) or None
@@ -516,7 +524,7 @@ def count_params(cfg: ModelConfig, active: bool = False) -> int:
     model = nnx.eval_shape(lambda: make_model(cfg, BF16(), 0))
     n = sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     if active and cfg.moe:
-        per_expert = cfg.n_layers * 2 * cfg.d_model * cfg.hidden  # up [d, h] + down [h, d]
+        per_expert = cfg.n_layers * (3 if cfg.arch == "llama" else 2) * cfg.d_model * cfg.hidden  # (gate,) up, down
         n -= (cfg.moe_experts - cfg.moe_top_k) * per_expert
     return n
 
@@ -525,11 +533,13 @@ def flops_per_token(cfg: ModelConfig) -> float:
     """Model FLOPs of one training token (forward + backward), the PaLM / Chinchilla count used for MFU:
     6 x (the GEMM weights one token uses: qkv, out, MLP (top_k experts with MoE), router, logits head) + the attention
     products 12 x n_layers x (n_heads x head_dim) x seq (q.k^T and p.v, forward and backward, causal mask not
-    discounted). gpt: qkv 3 d^2 (+ bias), MLP 2 d h; llama: qkv d (n_heads + 2 kv_heads) head_dim, MLP 3 d h."""
+    discounted). gpt: qkv 3 d^2 (+ bias), MLP 2 d h; llama: qkv d (n_heads + 2 kv_heads) head_dim, MLP 3 d h; MoE:
+    the MLP times top_k, plus the router d E."""
     d, L, h = cfg.d_model, cfg.n_layers, cfg.hidden
+    experts = (cfg.moe_top_k, d * cfg.moe_experts) if cfg.moe else (1, 0)
     if cfg.arch == "llama":
-        block = d * (cfg.n_heads + 2 * cfg.kv) * cfg.head_dim + cfg.n_heads * cfg.head_dim * d + 3 * d * h
+        block = (d * (cfg.n_heads + 2 * cfg.kv) * cfg.head_dim + cfg.n_heads * cfg.head_dim * d
+                 + 3 * d * h * experts[0] + experts[1])
     else:
-        mlp = 2 * d * h * (cfg.moe_top_k if cfg.moe else 1) + (d * cfg.moe_experts if cfg.moe else 0)
-        block = 3 * d * d + 3 * d + d * d + mlp
+        block = 3 * d * d + 3 * d + d * d + 2 * d * h * experts[0] + experts[1]
     return 6.0 * (L * block + d * cfg.vocab) + 12.0 * L * cfg.n_heads * cfg.head_dim * cfg.seq

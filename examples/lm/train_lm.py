@@ -34,7 +34,10 @@ bfloat16 router choosing --top-k K experts per token (default 2, dropless), each
 dense one (mlp_ratio x d_model), its grouped GEMMs quantized by the recipe through `jax_fp4.ragged_dot` (nvfp4-1x64:
 1D NVFP4 for the experts' token operand, grouped quantize has no 1x64 encode). The objective adds --aux-weight W
 (default 0.01) x the Switch load-balancing loss (E * sum_e f_e P_e averaged over the blocks, 1 when balanced), which
-is logged as aux_loss; train_loss / val_loss stay the cross-entropy. With --mesh: data parallel only (tensor 1).
+is logged as aux_loss (summary.json: also expert_load, the per-expert fraction of the assignments); train_loss /
+val_loss stay the cross-entropy. llama blocks: SwiGLU experts of width --mlp-hidden (--preset moe-large: 64 experts,
+top-8). --mesh DATAxFSDPxTENSORxEXPERT splits the experts over the expert axis (`jax_fp4.flax.moe_ep`: all-to-all
+dispatch, quantized for quantized recipes; --capacity-factor bounds the buffers); no tensor axis with --moe.
 
 Precision control (examples/lm/lm_precision.py): --bf16-first / --bf16-last N, --bf16-last-fraction F, --mxfp8-first /
 --mxfp8-last N, --policy-mlp-only, --exclude PATTERN build a `jax_fp4.policy.Policy` (the layer -> recipe table is
@@ -147,7 +150,9 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     hlo = None
     if collectives:  # the compiled step's collectives, before the state is donated to the first step
         batch0 = lm_data.train_batch(corpus, 0, cfg.batch, cfg.model.seq, cfg.seed)
+        tc = time.perf_counter()  # this compile is the step's (jax reuses it): its time goes to compile_s
         hlo = lm_collectives.collective_bytes(ph.steps[0].lower(state, batch0).compile().as_text())
+        hlo_compile_s = time.perf_counter() - tc
     ckdir = out / "checkpoints" / run
     rows, start, timed, drows = [], 0, {"seconds": 0.0, "steps": 0, "diag_seconds": 0.0, "diag_steps": 0}, []
     if resume and lm_checkpoint.latest_step(ckdir) is not None:
@@ -176,7 +181,7 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     bar = tqdm(total=cfg.steps, initial=min(start, cfg.steps), desc=f"{run:>19}", unit="step", disable=not progress,
                dynamic_ncols=True, mininterval=0.5)
     moe = cfg.model.moe
-    pending, interval, t0, compiled = [], 0, None, set()
+    pending, interval, t0, compiled, load = [], 0, None, set(), None
     for step in range(start, stop):
         batch = lm_data.train_batch(corpus, step, cfg.batch, cfg.model.seq, cfg.seed)
         phase = phase_of(step)
@@ -214,6 +219,7 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
             continue
         train_loss = float(np.mean([float(v["loss"]) for v in pending]))  # waits for the step
         aux_loss = float(np.mean([float(v["aux_loss"]) for v in pending])) if moe else None
+        load = np.mean([np.asarray(v["expert_load"]) for v in pending], axis=0).tolist() if moe else load
         dt = time.perf_counter() - t0
         timed["seconds"] += dt
         timed["steps"] += interval
@@ -271,12 +277,14 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
                    tokens_per_step=tokens, flops_per_token=lm_model.flops_per_token(cfg.model))
     if hlo is not None:
         summary["collectives"] = hlo
+        summary["compile_s"] = (summary["compile_s"] or 0.0) + hlo_compile_s
     if timed["diag_steps"]:
         summary["diag_step_ms"] = 1e3 * timed["diag_seconds"] / timed["diag_steps"]
     if switch is not None:
         summary["switch"] = switch_desc
-    if moe:  # the load-balancing loss of the last logged steps (1: balanced)
+    if moe:  # the load-balancing loss of the last logged steps (1: balanced), the per-expert load (blocks' mean)
         summary["aux_loss"] = next((r["aux_loss"] for r in reversed(rows) if r.get("aux_loss") is not None), None)
+        summary["expert_load"] = load
     return rows, summary, drows
 
 
@@ -302,11 +310,13 @@ def main(argv=None) -> dict:
           f"seq {m.seq}, batch {cfg.batch} ({cfg.batch * m.seq} tokens/step), {cfg.steps} steps, "
           f"{lm_model.flops_per_token(m) * cfg.batch * m.seq / 1e12:.2f} TFLOP/step; " + (
               f"device: {jax.devices()[0]} ({jax.devices()[0].device_kind})" if cfg.mesh is None else
-              f"mesh: data {cfg.mesh[0]} x fsdp {cfg.mesh[1]} x tensor {cfg.mesh[2]} over {len(jax.devices())} "
+              f"mesh: data {cfg.mesh[0]} x fsdp {cfg.mesh[1]} x tensor {cfg.mesh[2]}"
+              f"{f' x expert {cfg.mesh[3]}' if cfg.mesh[3] > 1 else ''} over {len(jax.devices())} "
               f"devices ({jax.devices()[0].device_kind})"))
     if m.moe:
-        print(f"moe: every MLP {m.moe_experts} experts, top-{m.moe_top_k} per token (bfloat16 router, dropless), "
-              f"expert hidden {m.mlp_ratio * m.d_model} (GELU), load-balancing loss weight {m.moe_aux_weight:g}; "
+        print(f"moe: every MLP {m.moe_experts} experts, top-{m.moe_top_k} per token (bfloat16 router, "
+              f"{f'capacity factor {m.moe_capacity:g}' if m.moe_capacity else 'dropless'}), expert hidden {m.hidden} "
+              f"({'SwiGLU' if m.arch == 'llama' else 'GELU'}), load-balancing loss weight {m.moe_aux_weight:g}; "
               f"{lm_model.count_params(m, active=True) / 1e6:.2f}M parameters active per token")
 
     rows, summaries, switch = [], {}, lm_precision.make_switch(args)
