@@ -25,6 +25,7 @@ What is per process and what global (docs/design.md, "Multi-process runs"):
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import socket
 import time
@@ -162,9 +163,8 @@ def mesh_problems(mesh_shape, batch: int, seq: int) -> list[str]:
     if mesh_shape is None:
         return [f"{n} processes need a --mesh over all {jax.device_count()} devices (e.g. --mesh "
                 f"{jax.device_count()}x1 for data parallelism)"]
-    from jax.experimental import multihost_utils
-
-    local = [int(v) for v in np.asarray(multihost_utils.process_allgather(np.int32(jax.local_device_count())))]
+    per = collections.Counter(d.process_index for d in jax.devices())  # every process's devices, no collective
+    local = [per[i] for i in range(n)]
     shape = "x".join(map(str, mesh_shape))
     if len(set(local)) > 1 or np.prod(mesh_shape) % n:
         return [f"--mesh {shape} over {n} processes holding {', '.join(map(str, local))} devices: the process count "
