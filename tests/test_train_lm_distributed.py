@@ -5,6 +5,7 @@
   the codes and block scales are gathered across the processes): the same train and validation losses and
   `summary["model_sha256"]` as one process of two devices on the same mesh, bit for bit; the two-process run's
   step-2 checkpoint resumed by one process ends with the same bits too;
+* importing jax_fp4 and train_lm starts no JAX backend (jax.distributed.initialize may follow the imports);
 * bad setups stop with a message naming the fix: a coordinator that does not answer within --init-timeout, processes
   holding different numbers of devices for the mesh, tokenizer cache keys that differ between the processes, a batch
   whose rows do not split over the processes (`process_rows`), and incomplete launch flags.
@@ -128,6 +129,17 @@ def test_bad_setups_fail_fast(tmp_path):
         assert rc != 0 and "the tokenizer cache keys differ between the processes (process 0: bpe-300-" in err, err
         assert "give every process the same --data file" in err
     assert not (tmp_path / "z" / "tokenizer").exists()  # stopped before training a tokenizer
+
+
+def test_import_starts_no_backend():
+    """jax.distributed.initialize must precede the backend's start: importing jax_fp4 and train_lm creates no device
+    array (a one-process 'cluster' here)."""
+    script = ("import sys; sys.path.insert(0, 'examples/lm'); import jax, jax_fp4, train_lm; "
+              f"jax.distributed.initialize('127.0.0.1:{_free_port()}', 1, 0, initialization_timeout=30); "
+              "print('RESULT', jax.process_count())")
+    proc = subprocess.run([sys.executable, "-P", "-c", script], env=_env(1), cwd=ROOT, text=True,
+                          capture_output=True, timeout=300)
+    assert proc.returncode == 0 and "RESULT 1" in proc.stdout, proc.stderr[-3000:]
 
 
 class _Dev:

@@ -29,6 +29,11 @@ weight and the codes and block scales are all-gathered (bf16 layers and recipes 
 float32 (default: partial GEMM products summed in float32, the unsharded bits) or output (summed in bfloat16). Without
 --mesh: one device. Checkpoints hold global arrays: a run may resume on another mesh.
 
+Several processes (one per GPU or host; examples/lm/lm_distributed.py): --distributed (jax.distributed.initialize()
+detecting SLURM / Open MPI / Kubernetes) or --coordinator HOST:PORT --num-processes N --process-id I; the --mesh spans
+every process's devices. Each process reads only its rows of every global batch (the batches of a one-process run);
+process 0 alone prints and writes the files below; all write the checkpoints (--out: a directory all reach).
+
 --moe [E] (default E = 8 when the flag is given alone) replaces every block's MLP by a `jax_fp4.flax.moe.MoEMLP`: a
 bfloat16 router choosing --top-k K experts per token (default 2, dropless), each expert a GELU MLP as wide as the
 dense one (mlp_ratio x d_model), its grouped GEMMs quantized by the recipe through `jax_fp4.ragged_dot` (nvfp4-1x64:
