@@ -7,8 +7,9 @@
   step-2 checkpoint resumed by one process ends with the same bits too;
 * importing jax_fp4 and train_lm starts no JAX backend (jax.distributed.initialize may follow the imports);
 * bad setups stop with a message naming the fix: a coordinator that does not answer within --init-timeout, processes
-  holding different numbers of devices for the mesh, tokenizer cache keys that differ between the processes, a batch
-  whose rows do not split over the processes (`process_rows`), and incomplete launch flags.
+  holding different numbers of devices for the mesh, a --out that is not one directory for all, tokenizer cache
+  keys that differ between the processes, a batch whose rows do not split over the processes (`process_rows`), and
+  incomplete launch flags.
 """
 
 from __future__ import annotations
@@ -118,6 +119,13 @@ def test_bad_setups_fail_fast(tmp_path):
     for rc, _, err in res:
         assert rc == 2, err[-3000:]
         assert "over 2 processes holding 2, 1 devices: the process count must divide the mesh" in err, err[-3000:]
+    # a different --out per process: not one directory
+    res = _launch([[*BASE, "--recipe", "bf16", "--mesh", "2x1", "--out", tmp_path / f"out{i}"] for i in range(2)],
+                  devices=[1, 1])
+    for rc, _, err in res:
+        assert rc != 0 and f"--out {tmp_path / 'out0'} is not one directory for all processes: process(es) 1 do " \
+            "not see the marker" in err or f"--out {tmp_path / 'out1'} is not one directory" in err, err[-3000:]
+        assert "give every process the same --out on a filesystem they share" in err
     # different corpora, hence different tokenizer cache keys
     data = []
     for i in range(2):

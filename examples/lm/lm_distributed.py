@@ -9,9 +9,10 @@ process's devices and the --mesh spans them all (its product = the global device
 GPUs and gloo on CPUs (jax's default CPU collectives). No launcher or transport of our own.
 
 What is per process and what global (docs/design.md, "Multi-process runs"):
-  * every process loads the corpus and tokenizes it (the BPE trained by process 0 first, then loaded from the shared
-    --out cache or trained identically by each process); `check_same` stops the run when the processes' corpora,
-    tokenizer cache keys or token ids differ;
+  * --out is one directory on a filesystem every process reaches (`check_shared_dir`);
+  * every process loads the corpus and tokenizes it (the BPE trained by process 0 first, then loaded from the cache
+    under --out by the others); `check_same` stops the run when the processes' corpora, tokenizer cache keys or
+    token ids differ;
   * batches: every process draws the same window starts (a pure function of seed and step, `lm_data`) and reads only
     the rows its devices hold (`batch_rows`); `global_batch` assembles the global array with
     `jax.make_array_from_process_local_data`, so the step sees the global batch of a one-process run;
@@ -28,7 +29,9 @@ import argparse
 import collections
 import hashlib
 import socket
+import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -113,6 +116,10 @@ def initialize(argv=None) -> None:
                          f"{args.coordinator} did not answer within --init-timeout {args.init_timeout} s; start "
                          "process 0 (--process-id 0) with the same --coordinator, give it an address this host can "
                          "reach, or raise --init-timeout")
+    if args.coordinator is not None and args.process_id == 0:  # jax aborts the process when the others stay away
+        print(f"process 0 of {args.num_processes}: the coordinator at {args.coordinator} waits {args.init_timeout} s "
+              f"for processes 1 .. {args.num_processes - 1}; an abort with DEADLINE_EXCEEDED after that means they "
+              "did not join: start them with the same --coordinator and --num-processes", file=sys.stderr, flush=True)
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                                initialization_timeout=args.init_timeout)
 
@@ -199,6 +206,29 @@ def process_rows(sharding, batch: int, seq: int, process: int | None = None) -> 
                          "range; order the mesh so that each process's devices hold adjacent batch shards (the data "
                          "and fsdp axes outermost across processes)")
     return lo, hi
+
+
+def check_shared_dir(path: Path):
+    """SystemExit unless `path` (--out, created) is one directory every process reaches: process 0 writes a marker
+    with a token it broadcasts, and every process must read that token there (the checkpoints are written into it by
+    all processes together)."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    token = "-".join(map(str, np.asarray(multihost_utils.broadcast_one_to_all(
+        np.random.default_rng().integers(0, 2**31 - 1, 4, dtype=np.int32)))))
+    marker = Path(path) / ".processes"
+    if is_primary():
+        marker.write_text(token)
+    barrier("out marker")
+    sees = marker.is_file() and marker.read_text() == token
+    seen = np.asarray(multihost_utils.process_allgather(np.int32(sees)))
+    if not seen.all():
+        bad = ", ".join(str(i) for i, v in enumerate(seen) if not v)
+        raise SystemExit(f"train_lm.py: error: --out {path} is not one directory for all processes: process(es) "
+                         f"{bad} do not see the marker process 0 wrote there; give every process the same --out on a "
+                         "filesystem they share (all of them write the checkpoints there)")
 
 
 def batch_rows(mesh, batch: int, seq: int) -> slice:

@@ -182,7 +182,7 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     else:
         if lm_distributed.is_primary():  # a fresh run replaces this run's old checkpoints
             shutil.rmtree(ckdir, ignore_errors=True)
-        lm_distributed.barrier(f"fresh {ckdir}")  # every process writes its shards there
+        lm_distributed.barrier("fresh checkpoints")  # every process writes its shards there
         mgr = lm_checkpoint.checkpointer(ckdir)
 
     stop = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
@@ -311,8 +311,9 @@ def main(argv=None) -> dict:
 
 def load_corpus(args, cfg: RunConfig) -> lm_data.Corpus:
     """The run's corpus (tokenized with --tokenizer bpe), the same in every process: the byte corpora's digests, the
-    tokenizer cache keys and the token ids are compared across the processes (SystemExit when they differ). Process 0
-    trains the BPE first; the others then load it from the --out cache (or, without a shared --out, train the same).
+    tokenizer cache keys and the token ids are compared across the processes (SystemExit when they differ). --out
+    must be one directory for all processes (checked); process 0 trains the BPE first, the others then load it from
+    the cache.
 
     Raises:
       OSError, ValueError: no corpus, or splits too small for one window.
@@ -320,6 +321,7 @@ def load_corpus(args, cfg: RunConfig) -> lm_data.Corpus:
     corpus = (lm_data.load_text_file(args.data) if args.data else
               lm_data.load_site_packages() if args.corpus == "site-packages" else lm_data.load_stdlib())
     args.out.mkdir(parents=True, exist_ok=True)
+    lm_distributed.check_shared_dir(args.out)
     same = ("give every process the same --data file (or --corpus on the same Python and packages)"
             + (" and the same tokenizers version" if args.tokenizer == "bpe" else ""))
     if args.tokenizer == "bpe":  # trained on this corpus, cached next to the run
