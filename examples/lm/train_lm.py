@@ -56,7 +56,8 @@ Writes to --out DIR: curves.csv (step, recipe, train_loss, val_loss, tokens_per_
 kept), curves.png (the recipes' curves overlaid), summary.json, and checkpoints/<recipe>/ (Orbax: model, optimizer
 and rng state, step; every --ckpt-every steps and at the end; --resume continues from the latest). Prints a table
 of validation loss, bits per byte, the gap to bf16, tokens/s and step time; summary.json also records MFU, the compile
-time (first step of each compiled program less a steady step), peak memory per device (None on the CPU), the
+time (first step of each compiled program less a steady step), peak memory per device (process 0's devices; None on
+the CPU), the
 parameter count and, with --collectives, the compiled step's collectives.
 """
 
@@ -65,8 +66,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import math
+import os
 import shutil
 import sys
 import time
