@@ -57,8 +57,7 @@ kept), curves.png (the recipes' curves overlaid), summary.json, and checkpoints/
 and rng state, step; every --ckpt-every steps and at the end; --resume continues from the latest). Prints a table
 of validation loss, bits per byte, the gap to bf16, tokens/s and step time; summary.json also records MFU, the compile
 time (first step of each compiled program less a steady step), peak memory per device (process 0's devices; None on
-the CPU), the
-parameter count and, with --collectives, the compiled step's collectives.
+the CPU), the parameter count, the process count and, with --collectives, the compiled step's collectives.
 """
 
 from __future__ import annotations
