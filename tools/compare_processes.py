@@ -4,7 +4,7 @@
 For each recipe: (one) one process over every GPU; (multi) N processes (a plain launch: --coordinator, each process
 CUDA_VISIBLE_DEVICES=i); (resumed) the multi run's checkpoint at steps / 2 resumed by one process. The runs take the
 same preset, mesh, seed and flags, `--deterministic`, and `--ckpt-every steps / 2`. Prints a table and writes
-OUT/compare_processes.json: per recipe the three runs' val_loss, model_sha256, tokens/s, whether the curves (step,
+OUT/compare_processes.json (after every recipe): per recipe the three runs' val_loss, model_sha256, tokens/s, whether the curves (step,
 train loss, validation loss) and checksums agree bit for bit, and multi / one tokens/s. Exits 1 when any pair
 differs or a run fails (each run's log: OUT/<recipe>/<run>.log).
 
@@ -98,6 +98,7 @@ def main(argv=None) -> int:
             results[recipe] = {"returncodes": rc}
             ok = False
             print(f"{recipe}: a run failed (return codes {rc}); logs under {d}")
+            (args.out / "compare_processes.json").write_text(json.dumps(results, indent=1))
             continue
         r = {k: _read(v, recipe) for k, v in (("one", one), ("multi", multi), ("resumed", resumed))}
         same = {k: r[k]["curve"] == r["one"]["curve"] and r[k]["sha"] == r["one"]["sha"] for k in ("multi", "resumed")}
@@ -108,8 +109,7 @@ def main(argv=None) -> int:
               f"resumed {r['resumed']['val_loss']:.6f}; same bits: {same}; tokens/s one "
               f"{r['one']['tokens_per_s']:,.0f}, {n} processes {r['multi']['tokens_per_s']:,.0f} "
               f"(x{ratio:.3f}); {time.time() - t0:.0f} s", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "compare_processes.json").write_text(json.dumps(results, indent=1))
+        (args.out / "compare_processes.json").write_text(json.dumps(results, indent=1))  # after every recipe
     return 0 if ok else 1
 
 
