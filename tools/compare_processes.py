@@ -3,10 +3,10 @@
 
 For each recipe: (one) one process over every GPU; (multi) N processes (a plain launch: --coordinator, each process
 CUDA_VISIBLE_DEVICES=i); (resumed) the multi run's checkpoint at steps / 2 resumed by one process. The runs take the
-same preset, mesh, seed and flags, `--deterministic`, and `--ckpt-every steps / 2`. Prints a table and writes
-OUT/compare_processes.json (after every recipe): per recipe the three runs' val_loss, model_sha256, tokens/s, whether the curves (step,
-train loss, validation loss) and checksums agree bit for bit, and multi / one tokens/s. Exits 1 when any pair
-differs or a run fails (each run's log: OUT/<recipe>/<run>.log).
+same preset, mesh, seed and flags, `--deterministic`, and `--ckpt-every steps / 2`. Prints a line per recipe and
+writes OUT/compare_processes.json (after every recipe): per recipe the three runs' val_loss, model_sha256, tokens/s,
+whether the curves (step, train loss, validation loss) and checksums agree bit for bit, and multi / one tokens/s.
+Exits 1 when any pair differs or a run fails (each run's log: OUT/<recipe>/<run>.log).
 
     python tools/compare_processes.py --gpus 2 --out $OUT/cmp -- --preset large-350m --layers 8 --mesh 1x2x1 \\
         --steps 40 --eval-every 20 --val-tokens 0 --corpus stdlib --tokenizer bytes
