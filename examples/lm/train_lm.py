@@ -327,12 +327,12 @@ def load_corpus(args, cfg: RunConfig) -> lm_data.Corpus:
     if args.tokenizer == "bpe":  # trained on this corpus, cached next to the run
         key = lm_tokenizer.cache_key(corpus, cfg.model.vocab, lm_tokenizer.TRAIN_BYTES)
         lm_distributed.check_same(f"bpe-{cfg.model.vocab}-{key}", "the tokenizer cache keys", same)
-        tokenize = lambda: lm_tokenizer.tokenize_corpus(corpus, cfg.model.vocab, args.out / "tokenizer")  # noqa
+        raw, cache = corpus, args.out / "tokenizer"
         if lm_distributed.is_primary():
-            corpus = tokenize()
+            corpus = lm_tokenizer.tokenize_corpus(raw, cfg.model.vocab, cache)
         lm_distributed.barrier("tokenizer")
-        if not lm_distributed.is_primary():
-            corpus = tokenize()
+        if not lm_distributed.is_primary():  # loads what process 0 cached
+            corpus = lm_tokenizer.tokenize_corpus(raw, cfg.model.vocab, cache)
         lm_distributed.check_same(lm_distributed.digest(corpus.train, corpus.val), "the token ids of the corpus",
                                   f"delete {args.out / 'tokenizer'} (a cache another run wrote) and start again")
     else:
