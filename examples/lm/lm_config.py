@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax
 import lm_checkpoint
+import lm_distributed
 import lm_layers
 import lm_mesh
 import lm_model
@@ -247,6 +248,7 @@ def make_parser() -> argparse.ArgumentParser:
                         "per op of the program and per step, loop bodies times their trip counts; one more compile)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     lm_precision.add_arguments(p)
+    lm_distributed.add_arguments(p)  # --distributed, --coordinator, --num-processes, --process-id, --init-timeout
     return p
 
 

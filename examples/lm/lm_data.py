@@ -14,6 +14,8 @@ Batches are [batch, seq + 1] windows (uint8 bytes or uint16 ids) (inputs = [:, :
   * training: random window starts from ``np.random.default_rng([seed, step])``, a pure function of (seed, step), so
     every recipe sees the same data in the same order and a resumed run continues with the batches it would have seen;
   * validation: a fixed set of evenly spaced windows over the validation split.
+Both take ``rows``: a process of a multi-process run reads only the rows of the global batch its devices hold
+(lm_distributed.global_batch), the same windows a one-process run puts there.
 """
 
 from __future__ import annotations
@@ -124,13 +126,16 @@ def _windows(data: np.ndarray, starts: np.ndarray, seq: int) -> np.ndarray:
     return data[starts[:, None] + np.arange(seq + 1)]
 
 
-def train_batch(corpus: Corpus, step: int, batch: int, seq: int, seed: int) -> np.ndarray:
-    """[batch, seq + 1] (the split's dtype): random windows of the train split, a pure function of (seed, step)."""
+def train_batch(corpus: Corpus, step: int, batch: int, seq: int, seed: int, rows: slice = slice(None)) -> np.ndarray:
+    """[batch, seq + 1] (the split's dtype): random windows of the train split, a pure function of (seed, step).
+    rows: only these rows of it (a process's share of a global batch; the starts of all rows are drawn, only the
+    windows of `rows` are read)."""
     starts = np.random.default_rng([seed, step]).integers(0, corpus.train.size - seq - 1, size=batch)
-    return _windows(corpus.train, starts, seq)
+    return _windows(corpus.train, starts[rows], seq)
 
 
-def val_batches(corpus: Corpus, n: int, batch: int, seq: int) -> list[np.ndarray]:
-    """n [batch, seq + 1] batches of evenly spaced windows over the validation split (the same every call)."""
+def val_batches(corpus: Corpus, n: int, batch: int, seq: int, rows: slice = slice(None)) -> list[np.ndarray]:
+    """n [batch, seq + 1] batches of evenly spaced windows over the validation split (the same every call); rows:
+    only these rows of each (as in `train_batch`)."""
     starts = np.linspace(0, corpus.val.size - seq - 1, n * batch).astype(np.int64)
-    return [_windows(corpus.val, s, seq) for s in starts.reshape(n, batch)]
+    return [_windows(corpus.val, s[rows], seq) for s in starts.reshape(n, batch)]

@@ -8,7 +8,9 @@ end the runs' summaries are merged (keyed "<configuration>@s<seed>"), the gaps c
 seed paired with bf16 of the same seed; the mean over seeds with its 95 % Student-t interval, the evaluation noise
 and the same-seed spread of `--repeats`) and written to OUT/gaps.csv, OUT/gaps.json, OUT/gaps.png and
 OUT/summary.json, with a table on stdout. A gap whose interval contains 0 is reported as unresolved.
-`--deterministic` runs every run bit-reproducibly (train_lm --deterministic).
+`--deterministic` runs every run bit-reproducibly (train_lm --deterministic). Every run is one process on one GPU
+(many small runs fill the GPUs best); one configuration across processes or hosts is a train_lm.py run of its own
+(its --distributed / --coordinator flags are refused here).
 
     python examples/lm/precision_study.py --preset small --seeds 0 1 2 --per-gpu 3 --out runs/study
     python examples/lm/precision_study.py --preset tiny --steps 20 --seeds 0 1 2 --configs nvfp4-fwd-mxfp8-bwd \
@@ -129,6 +131,12 @@ def main(argv=None):
     p.add_argument("--out", type=Path, default=Path("runs/study"))
     args, extra = p.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
+    joins = [a for a in extra
+             if a.split("=")[0] in ("--distributed", "--coordinator", "--num-processes", "--process-id")]
+    if joins:
+        p.error(f"{', '.join(joins)}: every run of a study is one process on one GPU (--per-gpu shares them); train "
+                "one configuration across processes with train_lm.py itself (README, 'Train at scale', 'Across "
+                "hosts')")
     configs = [c for c in args.configs.split(",") if c]
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:

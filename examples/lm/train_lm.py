@@ -29,6 +29,11 @@ weight and the codes and block scales are all-gathered (bf16 layers and recipes 
 float32 (default: partial GEMM products summed in float32, the unsharded bits) or output (summed in bfloat16). Without
 --mesh: one device. Checkpoints hold global arrays: a run may resume on another mesh.
 
+Several processes (one per GPU or host; examples/lm/lm_distributed.py): --distributed (jax.distributed.initialize()
+detecting SLURM / Open MPI / Kubernetes) or --coordinator HOST:PORT --num-processes N --process-id I; the --mesh spans
+every process's devices. Each process reads only its rows of every global batch (the batches of a one-process run);
+process 0 alone prints and writes the files below; all write the checkpoints (--out: a directory all reach).
+
 --moe [E] (default E = 8 when the flag is given alone) replaces every block's MLP by a `jax_fp4.flax.moe.MoEMLP`: a
 bfloat16 router choosing --top-k K experts per token (default 2, dropless), each expert a GELU MLP as wide as the
 dense one (mlp_ratio x d_model), its grouped GEMMs quantized by the recipe through `jax_fp4.ragged_dot` (nvfp4-1x64:
@@ -54,15 +59,17 @@ Writes to --out DIR: curves.csv (step, recipe, train_loss, val_loss, tokens_per_
 kept), curves.png (the recipes' curves overlaid), summary.json, and checkpoints/<recipe>/ (Orbax: model, optimizer
 and rng state, step; every --ckpt-every steps and at the end; --resume continues from the latest). Prints a table
 of validation loss, bits per byte, the gap to bf16, tokens/s and step time; summary.json also records MFU, the compile
-time (first step of each compiled program less a steady step), peak memory per device (None on the CPU), the
-parameter count and, with --collectives, the compiled step's collectives.
+time (first step of each compiled program less a steady step), peak memory per device (process 0's devices; None on
+the CPU), the parameter count, the process count and, with --collectives, the compiled step's collectives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -78,6 +85,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules,
 import lm_checkpoint  # noqa: E402
 import lm_collectives  # noqa: E402
 import lm_data  # noqa: E402
+import lm_distributed  # noqa: E402
 import lm_mesh  # noqa: E402
 import lm_model  # noqa: E402
 import lm_precision  # noqa: E402
@@ -133,8 +141,14 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     phase_of = (lambda step: 0) if switch is None else (lambda step: switch.phase(step, cfg.steps))  # noqa: E731
     switch_desc = None if switch is None else switch.describe(cfg.steps)
     tokens = cfg.batch * cfg.model.seq
-    val = lm_data.val_batches(corpus, cfg.eval_batches, cfg.batch, cfg.model.seq)
-    final_val = lm_data.val_batches(corpus, cfg.final_eval_batches, cfg.batch, cfg.model.seq)
+    # the global batches; this process reads only the rows its devices hold (lm_distributed)
+    rows_of = lm_distributed.batch_rows(mesh, cfg.batch, cfg.model.seq)
+    glob = lambda local: lm_distributed.global_batch(local, mesh, cfg.batch, cfg.model.seq)  # noqa: E731
+    train_batch = lambda step: glob(lm_data.train_batch(corpus, step, cfg.batch, cfg.model.seq, cfg.seed,  # noqa
+                                                        rows_of))
+    val = [glob(b) for b in lm_data.val_batches(corpus, cfg.eval_batches, cfg.batch, cfg.model.seq, rows_of)]
+    final_val = [glob(b) for b in lm_data.val_batches(corpus, cfg.final_eval_batches, cfg.batch, cfg.model.seq,
+                                                      rows_of)]
     if corpus.val.size < cfg.final_eval_batches * cfg.batch * (cfg.model.seq + 1):
         print(f"note: the validation split holds {corpus.val.size:,} tokens, fewer than the last evaluation's "
               f"{cfg.final_eval_batches * cfg.batch * cfg.model.seq:,}: its windows overlap (lower --val-tokens)")
@@ -149,7 +163,7 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
 
     hlo = None
     if collectives:  # the compiled step's collectives, before the state is donated to the first step
-        batch0 = lm_data.train_batch(corpus, 0, cfg.batch, cfg.model.seq, cfg.seed)
+        batch0 = train_batch(0)
         tc = time.perf_counter()  # this compile is the step's (jax reuses it): its time goes to compile_s
         hlo = lm_collectives.collective_bytes(ph.steps[0].lower(state, batch0).compile().as_text())
         hlo_compile_s = time.perf_counter() - tc
@@ -174,7 +188,9 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
         drows = meta.get("diagnostics", [])
         print(f"{run}: resumed from {ckdir} at step {start} (phase {meta.get('phase', 0)})")
     else:
-        shutil.rmtree(ckdir, ignore_errors=True)  # a fresh run replaces this run's old checkpoints
+        if lm_distributed.is_primary():  # a fresh run replaces this run's old checkpoints
+            shutil.rmtree(ckdir, ignore_errors=True)
+        lm_distributed.barrier("fresh checkpoints")  # every process writes its shards there
         mgr = lm_checkpoint.checkpointer(ckdir)
 
     stop = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
@@ -183,7 +199,7 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     moe = cfg.model.moe
     pending, interval, t0, compiled, load = [], 0, None, set(), None
     for step in range(start, stop):
-        batch = lm_data.train_batch(corpus, step, cfg.batch, cfg.model.seq, cfg.seed)
+        batch = train_batch(step)
         phase = phase_of(step)
         diag = bool(diagnostics) and (step + 1) % diagnostics == 0
         first = (phase, diag) not in compiled  # this step compiles: leave it out of the timings
@@ -260,7 +276,8 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     summary.update(val_tokens=int(seq_losses.size * cfg.model.seq), val_loss_se=lm_stats.standard_error(
         seq_losses), val_seq_losses=[round(float(v), 6) for v in seq_losses], deterministic=cfg.deterministic)
     if cfg.deterministic:  # two deterministic runs of one configuration end with the same parameter bits
-        summary["model_sha256"] = determinism.checksum(nnx.to_pure_dict(state)[0])  # parameters and rng streams
+        # parameters and rng streams, gathered from every process
+        summary["model_sha256"] = determinism.checksum(lm_distributed.host_tree(nnx.to_pure_dict(state)[0]))
     peak = lm_precision.peak_flops(jax.devices()[0].device_kind)
     n_dev = 1 if cfg.mesh is None else math.prod(cfg.mesh)
     summary["mfu"] = (lm_model.flops_per_token(cfg.model) * tokens / step_s / (peak * n_dev)
@@ -272,7 +289,8 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     summary["peak_bytes_per_device"] = lm_report.peak_memory()  # None on the CPU
     if lm_report.peak_of_earlier_run(peak_before, summary["peak_bytes_per_device"]):
         summary["peak_set_by_earlier_run"] = True  # this run's peak is at most that figure
-    summary.update(params=lm_model.count_params(cfg.model), devices=n_dev, device_kind=jax.devices()[0].device_kind,
+    summary.update(params=lm_model.count_params(cfg.model), devices=n_dev, processes=jax.process_count(),
+                   device_kind=jax.devices()[0].device_kind,
                    mesh=None if cfg.mesh is None else dict(zip(lm_mesh.AXES, cfg.mesh, strict=True)),
                    tokens_per_step=tokens, flops_per_token=lm_model.flops_per_token(cfg.model))
     if hlo is not None:
@@ -289,17 +307,56 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
 
 
 def main(argv=None) -> dict:
-    """Run the CLI; returns {run name: summary} of the runs trained now."""
+    """Run the CLI; returns {run name: summary} of the runs trained now. In a multi-process run (--distributed or
+    --coordinator, lm_distributed) every process runs it; only process 0 prints and writes the run's files."""
+    lm_distributed.initialize(argv)  # before any JAX computation: what jax.devices() lists
+    args, cfg, names = parse_args(argv)
+    for problem in lm_distributed.mesh_problems(cfg.mesh, cfg.batch, cfg.model.seq):
+        make_parser().error(problem)
+    if lm_distributed.is_primary():
+        return _main(args, cfg, names)
+    args.no_progress = True
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        return _main(args, cfg, names)
+
+
+def load_corpus(args, cfg: RunConfig) -> lm_data.Corpus:
+    """The run's corpus (tokenized with --tokenizer bpe), the same in every process: the byte corpora's digests, the
+    tokenizer cache keys and the token ids are compared across the processes (SystemExit when they differ). --out
+    must be one directory for all processes (checked); process 0 trains the BPE first, the others then load it from
+    the cache.
+
+    Raises:
+      OSError, ValueError: no corpus, or splits too small for one window.
+    """
+    corpus = (lm_data.load_text_file(args.data) if args.data else
+              lm_data.load_site_packages() if args.corpus == "site-packages" else lm_data.load_stdlib())
+    args.out.mkdir(parents=True, exist_ok=True)
+    lm_distributed.check_shared_dir(args.out)
+    same = ("give every process the same --data file (or --corpus on the same Python and packages)"
+            + (" and the same tokenizers version" if args.tokenizer == "bpe" else ""))
+    if args.tokenizer == "bpe":  # trained on this corpus, cached next to the run
+        key = lm_tokenizer.cache_key(corpus, cfg.model.vocab, lm_tokenizer.TRAIN_BYTES)
+        lm_distributed.check_same(f"bpe-{cfg.model.vocab}-{key}", "the tokenizer cache keys", same)
+        raw, cache = corpus, args.out / "tokenizer"
+        if lm_distributed.is_primary():
+            corpus = lm_tokenizer.tokenize_corpus(raw, cfg.model.vocab, cache)
+        lm_distributed.barrier("tokenizer")
+        if not lm_distributed.is_primary():  # loads what process 0 cached
+            corpus = lm_tokenizer.tokenize_corpus(raw, cfg.model.vocab, cache)
+        lm_distributed.check_same(lm_distributed.digest(corpus.train, corpus.val), "the token ids of the corpus",
+                                  f"delete {args.out / 'tokenizer'} (a cache another run wrote) and start again")
+    else:
+        lm_distributed.check_same(lm_distributed.digest(corpus.train, corpus.val), "the corpora", same)
+    lm_data.check_sizes(corpus, cfg.model.seq)
+    return corpus
+
+
+def _main(args, cfg: RunConfig, names: list[str]) -> dict:
     from jax_fp4.policy import UnmatchedRuleError
 
-    args, cfg, names = parse_args(argv)
     try:
-        corpus = (lm_data.load_text_file(args.data) if args.data else
-                  lm_data.load_site_packages() if args.corpus == "site-packages" else lm_data.load_stdlib())
-        args.out.mkdir(parents=True, exist_ok=True)
-        if args.tokenizer == "bpe":  # trained on this corpus, cached next to the run
-            corpus = lm_tokenizer.tokenize_corpus(corpus, cfg.model.vocab, args.out / "tokenizer")
-        lm_data.check_sizes(corpus, cfg.model.seq)
+        corpus = load_corpus(args, cfg)
     except (OSError, ValueError) as e:
         make_parser().error(str(e))
     m = cfg.model
@@ -334,7 +391,10 @@ def main(argv=None) -> dict:
             except UnmatchedRuleError as e:
                 make_parser().error(str(e))
             rows += r
-            lm_report.write_diagnostics(args.out, run, drows)
+            if lm_distributed.is_primary():
+                lm_report.write_diagnostics(args.out, run, drows)
+    if not lm_distributed.is_primary():  # the run's files and table: process 0's
+        return summaries
     runs = list(summaries)
     all_rows = lm_report.write_curves(args.out, rows, set(runs))
     path = args.out / "summary.json"

@@ -226,7 +226,8 @@ def flush_subnormal(x):
     return from_bits(jnp.where(sub, b & U32(0x80000000), b))
 
 
-_ADD_SMALL = U32(0x0D800000)  # 2^-100: below it both addends are scaled into the normal range first
+_ADD_SMALL = np.uint32(0x0D800000)  # 2^-100: below it both addends are scaled into the normal range first; numpy:
+# no device array at import (jax.distributed.initialize must come before the backend starts)
 _TWO_64, _TWO_M64 = np.float32(2.0**64), np.float32(2.0**-64)
 
 
