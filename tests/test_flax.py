@@ -20,12 +20,8 @@ when selected with ``-m slow`` (~70 s more).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
+from _optional_import import check_optional_import
 
 pytest.importorskip("flax")
 
@@ -369,25 +365,5 @@ def test_make_dot_general_fallbacks(rng):
 
 
 # ---- imports ---------------------------------------------------------------------------------------------------------
-IMPORT_SCRIPT = textwrap.dedent(
-    """
-    import sys, warnings
-    warnings.simplefilter("ignore")
-    import jax_fp4
-    assert "flax" not in sys.modules, "import jax_fp4 imported flax"
-    sys.modules["flax"] = None  # as if flax were not installed
-    try:
-        import jax_fp4.flax
-    except ImportError as e:
-        assert "pip install jax_fp4[flax]" in str(e), e
-        print("IMPORT OK")
-    """
-)
-
-
 def test_imports():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-P", "-c", IMPORT_SCRIPT], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0 and "IMPORT OK" in r.stdout, r.stderr[-4000:]
+    check_optional_import("flax", "flax")

@@ -3,21 +3,19 @@ ragged_dot), leaves unmatched calls alone, and reports what it cannot quantize."
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
+from _optional_import import check_optional_import
 
 pytest.importorskip("flax")
 qwix = pytest.importorskip("qwix")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from _qwix_models import LinenStack, NnxBlock, NnxMoE, NnxStack  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jax_fp4.blocking import BlockingError  # noqa: E402
@@ -26,7 +24,6 @@ from jax_fp4.policy import Policy  # noqa: E402
 from jax_fp4.qwix import Fp4Provider, Fp4Rule, UnquantizedOpWarning, set_rngs  # noqa: E402
 from jax_fp4.qwix.ragged import aligned_ragged_dot  # noqa: E402
 from jax_fp4.recipes import by_name  # noqa: E402
-from tests._qwix_models import LinenStack, NnxBlock, NnxMoE, NnxStack  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:The 'm.iter_modules:DeprecationWarning")  # qwix 0.1.8 calls it
 
@@ -236,26 +233,6 @@ def test_readme_example_runs():
     assert ns["provider"].get_unused_rules() == []
 
 
-IMPORT_SCRIPT = textwrap.dedent(
-    """
-    import sys, warnings
-    warnings.simplefilter("ignore")
-    import jax_fp4, jax_fp4.flax
-    assert "qwix" not in sys.modules, "import jax_fp4 imported qwix"
-    sys.modules["qwix"] = None  # as if qwix were not installed
-    try:
-        import jax_fp4.qwix
-    except ImportError as e:
-        assert "pip install jax_fp4[qwix]" in str(e), e
-        print("IMPORT OK")
-    """
-)
-
-
 def test_imports_without_qwix():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-P", "-c", IMPORT_SCRIPT], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0 and "IMPORT OK" in r.stdout, r.stderr[-4000:]
+    check_optional_import("qwix", "qwix", also=("jax_fp4.flax",))
 

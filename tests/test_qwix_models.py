@@ -16,10 +16,10 @@ optax = pytest.importorskip("optax")
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from _qwix_models import NnxMoE  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jax_fp4.qwix import Fp4Provider, Fp4Rule, set_rngs  # noqa: E402
-from tests._qwix_models import NnxMoE  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:The 'm.iter_modules:DeprecationWarning")  # qwix 0.1.8 calls it
 
