@@ -31,7 +31,7 @@ from jax_fp4 import blocking as _blocking
 from jax_fp4._src.dimension_numbers import canonical_dimension_numbers
 from jax_fp4._src.primitives.gemm import exact_product
 from jax_fp4._src.primitives.partitioning_collective import narrow_product
-from jax_fp4._src.vjp_util import dtype_tag, operand_keys, reverse_mode_only
+from jax_fp4._src.vjp_util import dtype_tag, operand_keys, refuse_forward_mode, reverse_mode_only
 from jax_fp4.distributed import fsdp_axes, gather_quantized, reduced_product, reduces_in_output_dtype
 from jax_fp4.gemm import ExactOperand, exact_operand, scaled_dot_general
 from jax_fp4.quantize import quantize_rowwise_columnwise
@@ -289,6 +289,8 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, implementation: str
                          "line up (x [..., K], kernel [K, N])")
     if bias is not None and jnp.shape(bias) != (kernel.shape[1],):
         raise ValueError(f"dense: bias shape {jnp.shape(bias)} != ({kernel.shape[1]},)")
+    if recipe.quantized:  # before the key check: one error whatever the key
+        refuse_forward_mode("jax_fp4.dense", x, kernel, bias)
     recipe.check_key(key, "dense", backward=False)  # (a non-key is refused under BF16 too)
     if x_amax is not None:
         check_amax(x_amax, x, "dense: x_amax")

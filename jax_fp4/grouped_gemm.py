@@ -44,7 +44,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_fp4 import validation
-from jax_fp4._src.vjp_util import dtype_tag, operand_keys, reverse_mode_only
+from jax_fp4._src.vjp_util import dtype_tag, operand_keys, refuse_forward_mode, reverse_mode_only
 from jax_fp4.dense import RESIDUAL_NAMES
 from jax_fp4.gemm import exact_operand
 from jax_fp4.grouped import grouped_dequantize, grouped_quantize_rowwise_columnwise
@@ -199,6 +199,8 @@ def ragged_dot(lhs, rhs, group_sizes, *, recipe: Recipe, key=None):
     """
     recipe = resolve(recipe, "ragged_dot")
     lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
+    if recipe.quantized:  # before the other checks: one error whatever the key
+        refuse_forward_mode("jax_fp4.ragged_dot", lhs, rhs)
     _check(lhs, rhs, group_sizes, recipe)
     recipe.check_key(key, "ragged_dot", backward=False)  # (a non-key is refused under BF16 too)
     if not recipe.quantized:

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_fp4._src import jax_compat
+from jax_fp4._src.vjp_util import forward_mode_message, refuse_forward_mode
 from jax_fp4.flax.dot_general import _linen_key, make_dot_general
 from jax_fp4.flax.nnx_layers import draw_key
 from jax_fp4.recipes import resolve
@@ -30,7 +32,12 @@ __all__ = ["make_einsum", "StreamEinsum"]
 
 def _einsum(recipe, strict, rng_collection, subscripts, operands, key, kwargs):
     dg = make_dot_general(recipe, key=key, strict=strict, rng_collection=rng_collection)
-    return jnp.einsum(subscripts, *operands, _dot_general=dg, **kwargs)
+    try:
+        return jnp.einsum(subscripts, *operands, _dot_general=dg, **kwargs)
+    except TypeError as e:  # a forward-mode level outside jnp.einsum's own jit, which refuse_forward_mode cannot see
+        if not jax_compat.is_custom_vjp_forward_mode_error(e):
+            raise
+        raise TypeError(forward_mode_message(f"make_einsum({recipe.name})")) from None
 
 
 def make_einsum(recipe, key=None, *, strict: bool = False, rng_collection: str = "quantize"):
@@ -63,6 +70,8 @@ def make_einsum(recipe, key=None, *, strict: bool = False, rng_collection: str =
                         f"returning a key, got {type(key).__name__}")
 
     def einsum(subscripts, *operands, key=None, **kwargs):
+        if recipe.quantized:  # before the key source is asked: one error whatever the keys
+            refuse_forward_mode(f"make_einsum({recipe.name})", operands)
         k = key
         if k is None and recipe.needs_key:
             k = key_source() if callable(key_source) else key_source

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax.errors import InvalidRngError
 from flax.linen.dtypes import promote_dtype
 
+from jax_fp4._src.vjp_util import refuse_forward_mode
 from jax_fp4.blocking import BlockingError
 from jax_fp4.dense import dense
 from jax_fp4.flax.layer_path import linen_path
@@ -86,6 +87,8 @@ class Dense(nn.Module):
         kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        if recipe.quantized:  # before the rng lookup: one error whatever the rngs
+            refuse_forward_mode("jax_fp4.flax.linen.Dense", inputs, kernel, bias)
         key = None
         if recipe.needs_key:
             try:
