@@ -26,6 +26,7 @@ from jax_fp4._src.vjp_util import forward_mode_message, refuse_forward_mode
 from jax_fp4.flax.dot_general import _linen_key, make_dot_general
 from jax_fp4.flax.nnx_layers import draw_key
 from jax_fp4.recipes import resolve
+from jax_fp4.validation import check_key
 
 __all__ = ["make_einsum", "StreamEinsum"]
 
@@ -65,11 +66,14 @@ def make_einsum(recipe, key=None, *, strict: bool = False, rng_collection: str =
     recipe = resolve(recipe, "make_einsum")
     if isinstance(key, (nnx.RngStream, nnx.Rngs)):
         return StreamEinsum(recipe, key, strict=strict, rng_collection=rng_collection)
+    if isinstance(key, jax.Array):
+        check_key(key, "make_einsum")
     if key is not None and not callable(key) and not isinstance(key, jax.Array):
         raise TypeError(f"make_einsum: key must be None, a PRNG key, an nnx.RngStream / nnx.Rngs or a callable "
                         f"returning a key, got {type(key).__name__}")
 
     def einsum(subscripts, *operands, key=None, **kwargs):
+        check_key(key, f"make_einsum({recipe.name})")
         if recipe.quantized:  # before the key source is asked: one error whatever the keys
             refuse_forward_mode(f"make_einsum({recipe.name})", operands)
         k = key
@@ -97,6 +101,7 @@ class StreamEinsum(nnx.Module):
         self.rng_collection = rng_collection
 
     def __call__(self, subscripts, *operands, key=None, **kwargs):
+        check_key(key, f"make_einsum({self.recipe.name})")
         if key is None and self.recipe.quantized:
             key = draw_key(self.recipe, self.source, self.rng_collection, operands, "make_einsum")
         return _einsum(self.recipe, self.strict, self.rng_collection, subscripts, operands, key, kwargs)

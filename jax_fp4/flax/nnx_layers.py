@@ -12,8 +12,9 @@ from flax.errors import TraceContextError
 from jax_fp4._src import jax_compat
 from jax_fp4._src.vjp_util import refuse_forward_mode
 from jax_fp4.recipes import Recipe, resolve
+from jax_fp4.validation import check_key
 
-__all__ = ["NORMS", "RngsLike", "check_recipe", "differentiated", "draw_key", "make_norm", "quantize_key",
+__all__ = ["NORMS", "RngsLike", "check_recipe", "check_rngs", "differentiated", "draw_key", "make_norm", "quantize_key",
            "quantize_stream", "split_rngs"]
 
 NORMS = ("layernorm", "rmsnorm")
@@ -70,6 +71,18 @@ def differentiated(*operands) -> bool | None:
     return None if mode == "unknown" else mode is not None
 
 
+def check_rngs(rngs, where: str) -> None:
+    """TypeError naming `where` unless `rngs` is None, an ``nnx.Rngs``, an ``nnx.RngStream`` or a JAX PRNG key.
+    Checked on every call, whether or not the recipe rounds stochastically, so a wrong argument is never silently
+    ignored."""
+    if rngs is None or isinstance(rngs, (nnx.Rngs, nnx.RngStream)):
+        return
+    if not isinstance(rngs, jax.Array):
+        raise TypeError(f"{where}: rngs must be None, an nnx.Rngs, an nnx.RngStream or a JAX PRNG key "
+                        f"(jax.random.key(seed)), got {type(rngs).__name__} {rngs!r}")
+    check_key(rngs, where)
+
+
 def draw_key(recipe: Recipe, source, rng_collection: str, operands, where: str):
     """A stochastic-rounding key for one GEMM call of `recipe` from `source` (nnx.Rngs: its `rng_collection`
     stream; nnx.RngStream; a PRNG key, used as is), or None when the call needs none.
@@ -112,9 +125,10 @@ def quantize_key(layer, rngs: RngsLike, operands=()):
     key), or from the layer's own stream when `rngs` is None. None when the recipe needs none, and for forward-only
     calls whose fprop rounds deterministically (the stream is left alone, see `draw_key`).
 
-    Raises TypeError for forward-mode
+    Raises TypeError for `rngs` of another type (`check_rngs`, whatever the recipe) and for forward-mode
     differentiation (`jax_fp4._src.vjp_util.refuse_forward_mode`: checked before the key is looked up)."""
     where = f"{type(layer).__module__}.{type(layer).__qualname__}"
+    check_rngs(rngs, where)
     if layer.recipe.quantized:
         refuse_forward_mode(where, operands)
     if not layer.recipe.needs_key:
