@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_fp4 import blocking as _blocking
 from jax_fp4 import validation
 from jax_fp4._src.vjp_util import dtype_tag, operand_keys, refuse_forward_mode, reverse_mode_only
 from jax_fp4.dense import RESIDUAL_NAMES
@@ -133,6 +134,8 @@ def _ragged(recipe, x, w, group_sizes, key):
 
 
 def _ragged_fwd(recipe, x, w, group_sizes, key):
+    _blocking.check_grouped(recipe, x.shape[0], x.shape[1], w.shape[2], validation._concrete(group_sizes),
+                            differentiated=True)
     kx, kw, kdy = operand_keys(key)  # dY's key is checked by the backward (as in jax_fp4.dense)
     x_fprop, x_wgrad = _grouped_pair(x, group_sizes, recipe.fprop_x, recipe.wgrad_x, kx)
     w_dgrad, w_fprop = _weight_pair(w, recipe.dgrad_w, recipe.fprop_w, kw)
@@ -192,10 +195,12 @@ def ragged_dot(lhs, rhs, group_sizes, *, recipe: Recipe, key=None):
       [T, N] in the promoted dtype of lhs and rhs (float32 accumulation and tensor scales, then one cast).
 
     Raises:
-      ValueError: shapes that do not line up; group_sizes not int[G]; a missing key; formats that cannot block the
-      shapes (K and N multiples of the formats' blocks, 16 for NVFP4 2D weights); when differentiated with a
-      quantized wgrad, concrete group sizes that are not multiples of the wgrad formats' block size. Traced
-      misaligned group sizes do not raise: that group's dw is NaN (module docstring).
+      ValueError: shapes that do not line up; group_sizes not int[G]; a missing key.
+      `jax_fp4.blocking.BlockingError` (a ValueError naming each operand role, the dimension or group and the
+      fixes; `jax_fp4.flax.moe.MoEMLP` adds its layer path): formats that cannot block the shapes (K and N
+      multiples of the formats' blocks, 16 for NVFP4 2D weights); when differentiated with a quantized wgrad,
+      concrete group sizes that are not multiples of the wgrad formats' block size. Traced misaligned group sizes
+      do not raise: that group's dw is NaN (module docstring).
     """
     recipe = resolve(recipe, "ragged_dot")
     lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
@@ -205,4 +210,5 @@ def ragged_dot(lhs, rhs, group_sizes, *, recipe: Recipe, key=None):
     recipe.check_key(key, "ragged_dot", backward=False)  # (a non-key is refused under BF16 too)
     if not recipe.quantized:
         return lax.ragged_dot(lhs, rhs, group_sizes)
+    _blocking.check_grouped(recipe, *lhs.shape, rhs.shape[2], differentiated=False)
     return reverse_mode_only(_ragged, "jax_fp4.ragged_dot")(recipe, lhs, rhs, group_sizes, key)
