@@ -309,13 +309,29 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, implementation: str
     return y.reshape(*lead, kernel.shape[1])
 
 
+def _check_multi_axis_contraction(recipe, sizes, dimension_numbers):
+    """BlockingError unless every block along the flattened K lies within the last contracting axis (its size a
+    multiple of the recipe's K block): a block spanning several entries of an outer contracting axis (e.g. heads x
+    head_dim with head_dim < the block) would share one block scale across them."""
+    k_block = _blocking.needs(recipe, differentiated=True)["K"]
+    if sizes[-1] % k_block:
+        raise _blocking.BlockingError(
+            f"dot_general: the contracting axes of sizes {tuple(sizes)} (dimension numbers {dimension_numbers}) "
+            f"flatten into one K, and recipe {recipe.name}'s blocks of {k_block} along K must each lie within the "
+            f"last contracting axis, whose size {sizes[-1]} is not a multiple of {k_block} (a block would span "
+            "entries of the outer contracting axes, e.g. several heads). Fixes: contract the outer axes as batch "
+            "axes (one GEMM each, then sum), order the contracting axes so that the last one holds whole blocks, "
+            "or a recipe with smaller blocks")
+
+
 def dot_general(x, w, dimension_numbers, *, recipe: Recipe, key=None, implementation: str = "auto"):
     """`lax.dot_general(x, w, dimension_numbers)` with the GEMMs quantized as `recipe` says (custom VJP of `dense`).
 
     Any dimension numbers: x is transposed to (batch, free, contracting) and w to (batch, contracting, free) (no
     transpose when the axes are already there, e.g. x[..., K1, K2] . w[K1, K2, N...], DenseGeneral's form), the
-    contracting axes are flattened into one K axis (the block axis, in the order the dimension numbers list them),
-    the free axes into M and N, and the batch axes into one axis B over which `jax.vmap` maps `dense` (one NVFP4
+    contracting axes are flattened into one K axis (the block axis, in the order the dimension numbers list them;
+    every block lies within the last contracting axis: its size must be a multiple of the recipe's K block,
+    `jax_fp4.blocking.needs(recipe, differentiated=True)["K"]`, else BlockingError), the free axes into M and N, and the batch axes into one axis B over which `jax.vmap` maps `dense` (one NVFP4
     tensor scale per batch element; with stochastic rounding, batch element b uses jax.random.split(key, B)[b]).
 
     Args:
@@ -331,6 +347,7 @@ def dot_general(x, w, dimension_numbers, *, recipe: Recipe, key=None, implementa
       dimension, w without a free axis, non-floating operands; and the errors of `dense`.
     """
     check_key(key, "dot_general")
+    recipe = resolve(recipe, "dot_general")
     x, w = jnp.asarray(x), jnp.asarray(w)
     (cl, cr), (bl, br) = canonical_dimension_numbers(dimension_numbers, x.ndim, w.ndim)
     if not cl or w.ndim == len(cr) + len(br):
@@ -346,6 +363,8 @@ def dot_general(x, w, dimension_numbers, *, recipe: Recipe, key=None, implementa
         x = jnp.transpose(x, (*bl, *lf, *cl))
     if [*br, *cr, *rf] != list(range(w.ndim)):
         w = jnp.transpose(w, (*br, *cr, *rf))
+    if len(cl) > 1 and recipe.quantized:
+        _check_multi_axis_contraction(recipe, [x.shape[d] for d in cl], dimension_numbers)
     bshape = x.shape[:len(bl)]
     mshape = x.shape[len(bl):x.ndim - len(cl)]
     nshape = w.shape[len(br) + len(cr):]

@@ -129,6 +129,11 @@ def make_dot_general(recipe, key=None, *, strict: bool = False, rng_collection: 
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None,
                     *, key=None, **kwargs):
+        if isinstance(lhs, str):  # called as an einsum op: nnx.Einsum(einsum_op=make_dot_general(...))
+            raise TypeError(f"make_dot_general({recipe.name}) was called as an einsum op (subscripts {lhs!r}): "
+                            "it is a lax.dot_general drop-in. For nnx.Einsum use "
+                            f"einsum_op=jax_fp4.flax.einsum.make_einsum({recipe.name!r}); in Linen, "
+                            "jax_fp4.flax.linen.Einsum")
         check_key(key, f"make_dot_general({recipe.name})")  # (a non-key is refused on every path)
         if recipe.quantized:  # before the key source is asked: one error whatever the keys
             refuse_forward_mode(f"make_dot_general({recipe.name})", lhs, rhs)

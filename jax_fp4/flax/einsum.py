@@ -6,10 +6,14 @@ contraction exactly as `jax_fp4.dot_general` with the same dimension numbers wou
 transposes / reshapes around the call). `make_einsum` packages that with the key handling of the Flax drop-ins:
 
   * ``nnx.Einsum(..., einsum_op=make_einsum(recipe))`` (NNX's Einsum takes an einsum op);
-  * in Linen, call ``make_einsum(recipe)(subscripts, x, w)`` inside a module: keys come from its "quantize" rng
-    collection (``apply(..., rngs={"quantize": key})``); ``flax.linen.Einsum`` takes neither an einsum op nor a
-    dot_general, so it cannot be quantized in place;
+  * in Linen, `jax_fp4.flax.linen.Einsum` (``flax.linen.Einsum`` with a ``recipe``; flax's own takes neither an
+    einsum op nor a dot_general), or ``make_einsum(recipe)(subscripts, x, w)`` inside a module: keys come from its
+    "quantize" rng collection (``apply(..., rngs={"quantize": key})``);
   * plain JAX: ``make_einsum(recipe)(subscripts, x, w, key=key)``.
+
+Contractions over several axes flatten them into K (`jax_fp4.dot_general`): every block lies within the last
+contracted axis, whose size must be a multiple of the recipe's K block (BlockingError otherwise). `make_dot_general`
+given as an einsum op raises TypeError naming `make_einsum`.
 
 `jnp.einsum` runs its contractions inside its own `jax.jit` trace, so the key of a call is drawn *before* it (from
 ``key=``, the key source, or the Linen collection) and every contraction of that call uses it.
