@@ -119,14 +119,14 @@ def _exact_gemm(a, b, dn, out_dtype, bias, reduce_out=False):
         scale multiplies and the cast by an optimization barrier, so it runs on cuBLAS and that epilogue fuses into the
         layer output's consumer; otherwise XLA fuses the tensor-scale arithmetic into a slower Triton GEMM. A
         bias add would land in whichever fusion XLA picks, where it may contract with the scale multiply into an
-        FMA; on an H100 a LayerNormMLP with biases then gave other bits with and without `x_amax`, so with a bias
+        FMA (a LayerNormMLP with biases then gave other bits with and without `x_amax`), so with a bias
         the GEMM stays as `exact_product` writes it. The rounding to out_dtype is a `reduce_precision` before the
         cast: XLA (allow_excess_precision, on by default) removes a
         float32 -> bfloat16 -> float32 convert pair inside a consumer fusion, which would hand some consumers the
         unrounded value and make the layer's bits depend on how XLA fuses its neighbours;
       * dgrad / wgrad with tensor scales (nvfp4): unchanged. Their outputs (dx, dw) leave the layer, so the
         separate epilogue pass would cost more than the Triton epilogue saves.
-    Measured on an H100 in docs/performance.md, "GEMM lowering". Elsewhere (the CPU) the program is `exact_product`
+    The timings: docs/performance.md, "GEMM lowering". Elsewhere (the CPU) the program is `exact_product`
     as written, whose bits the CPU tests pin: XLA:CPU sums a bfloat16-output dot in another order.
     """
     ops = [o if isinstance(o, ExactOperand) else exact_operand(lax.optimization_barrier(o)) for o in (a, b)]

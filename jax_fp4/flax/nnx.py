@@ -140,7 +140,8 @@ class LayerNormDense(nnx.Module):
 
     Call: ``layer(x, *, rngs=None)``, x [..., K] -> [..., N]. The dense layer runs its own tensor-amax pass over the
     norm's output: handing it ``jnp.max(jnp.abs(y))`` from the norm's XLA fusion instead (``x_amax``) keeps the bits
-    but measured slower for nvfp4-fwd-mxfp8-bwd on an H100 (benchmarks/layer_amax.py, docs/performance.md).
+    but was slower for nvfp4-fwd-mxfp8-bwd where measured (benchmarks/layer_amax.py; docs/performance.md, "Tensor
+    amax from the producer").
     """
 
     def __init__(self, in_features: int, out_features: int, *, recipe: Recipe, norm: str = "layernorm",

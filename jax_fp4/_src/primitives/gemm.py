@@ -120,7 +120,7 @@ def cpu_narrow_dot_guard(dot, *operands):
 # ---- abstract evaluation ----------------------------------------------------------------------------------------
 def kernel_formats_ok(fa, fb) -> bool:
     """Whether the kernel takes a pair of formats: any NVFP4 (1D / 2D / RHT) / MXFP8 E4M3 / E5M2 pairing, or NVFP4
-    1x64 with NVFP4 1x64 (the window promotion needs both operands windowed)."""
+    1x64 with NVFP4 1x64 (the window promotion needs both operands windowed); no 4over6 operand."""
     if not (isinstance(fa, Format) and isinstance(fb, Format)):
         return False
     if fa.use_4over6 or fb.use_4over6:  # the kernel's tensor scale is amax * fp32(1/2688) (the 448 bound) only
