@@ -75,3 +75,13 @@ def test_diagnostics_of_a_drop_in_model_name_what_they_cannot_instrument():
     with pytest.raises(ValueError, match="no jax_fp4.flax.nnx.Dense") as e:
         diagnostics.value_and_grad(loss)(model, jnp.ones((32, 64)))
     assert "'up'" in str(e.value) and "jax_fp4.diagnostics.dense" in str(e.value)
+
+
+def test_apply_and_describe_walk_the_model_once(monkeypatch):
+    model = _Plain(nnx.Rngs(0))
+    walks = []
+    real = nnx.iter_graph
+    monkeypatch.setattr(nnx, "iter_graph", lambda node: walks.append(1) or real(node))
+    flax_policy.apply(POL, model, drop_in=True)
+    flax_policy.describe(POL, model, drop_in=True)
+    assert len(walks) == 2

@@ -151,7 +151,11 @@ def assignments(policy: Policy, model, *, drop_in: bool = False, check: bool = T
       says "pass drop_in=True" when only drop-in layers, e.g. nnx.Linear, are there). `apply` and `describe` raise
       the same.
     """
-    found = layers(model, drop_in=drop_in)
+    return _assign(policy, model, layers(model, drop_in=drop_in), drop_in=drop_in, check=check, stacks=stacks)
+
+
+def _assign(policy: Policy, model, found: dict, *, drop_in: bool, check: bool, stacks) -> dict[str, Recipe | None]:
+    """`assignments` over the layers `found` (one walk of the model, shared with `apply` and `describe`)."""
     names = {p: policy_paths(p, stacks) for p in found}
     if check:
         policy.check([q for qs in names.values() for q in qs],
@@ -188,8 +192,8 @@ def apply(policy: Policy, model, *, drop_in: bool = False, rngs: nnx.Rngs | None
       ValueError: a layer's new recipe needs a stochastic-rounding key, the layer has no stream and `rngs` is None
         (or the layer is a scanned / vmapped stack, whose stream must be stacked: build it with such a recipe).
     """
-    out = assignments(policy, model, drop_in=drop_in, check=check, stacks=stacks)
     found = layers(model, drop_in=drop_in)
+    out = _assign(policy, model, found, drop_in=drop_in, check=check, stacks=stacks)
     for p, recipe in out.items():
         node = found[p]
         if recipe is None:
@@ -202,8 +206,7 @@ def apply(policy: Policy, model, *, drop_in: bool = False, rngs: nnx.Rngs | None
         if recipe == node.recipe:
             continue
         if recipe.needs_key and node.rngs is None:
-            stacked = (node.kernel if isinstance(node, Dense) else node.up.kernel).ndim > (2 if isinstance(
-                node, Dense) else 3)
+            stacked = _stack_axes(node) > 0
             if rngs is None or stacked:
                 raise ValueError(f"policy.apply: layer {p!r} gets recipe {recipe.name!r}, which uses stochastic "
                                  "rounding, but was built with a deterministic recipe (no rng stream); "
@@ -214,6 +217,14 @@ def apply(policy: Policy, model, *, drop_in: bool = False, rngs: nnx.Rngs | None
             node.alignment = math.lcm(node.alignment, group_alignment(recipe))
         node.recipe = recipe
     return out
+
+
+def _stack_axes(node) -> int:
+    """How many leading axes a jax_fp4 layer's weights carry beyond its own (a layer of a scanned / vmapped stack
+    holds one weight per block): `Dense`'s kernel is [in, out], `MoEMLP`'s expert kernels [E, in, out]."""
+    if isinstance(node, Dense):
+        return node.kernel[...].ndim - 2
+    return node.up.kernel[...].ndim - 3
 
 
 def _rule_name(policy: Policy, path: str, recipe, stacks=None) -> str:
@@ -228,8 +239,8 @@ def _rule_name(policy: Policy, path: str, recipe, stacks=None) -> str:
 def describe(policy: Policy, model, *, drop_in: bool = False, check: bool = True, stacks=None) -> str:
     """The layer -> recipe table of `policy` on an NNX model (and the rule that decided each layer; a stacked
     layer's: that of its first block)."""
-    out = assignments(policy, model, drop_in=drop_in, check=check, stacks=stacks)
     found = layers(model, drop_in=drop_in)
+    out = _assign(policy, model, found, drop_in=drop_in, check=check, stacks=stacks)
     return format_table((p, "-" if r is None else r.name, _rule_name(policy, p, r, stacks) + _block_note(found[p], r))
                         for p, r in out.items())
 
