@@ -51,7 +51,8 @@ class QuantProbe(nnx.Variable):
 
 
 def instrument(model) -> list[str]:
-    """Give every jax_fp4 `Dense` of `model` a zero `QuantProbe` (``layer.quant_probe``); returns their paths."""
+    """Set the ``quant_probe`` of every jax_fp4 `Dense` of `model` (declared by the layer, None otherwise) to a zero
+    `QuantProbe`; returns their paths."""
     paths = []
     for path, node in nnx.iter_graph(model):
         if isinstance(node, Dense):
@@ -64,8 +65,8 @@ def instrument(model) -> list[str]:
 def uninstrument(model) -> None:
     """Remove the probes `instrument` added."""
     for _, node in nnx.iter_graph(model):
-        if isinstance(node, Dense) and getattr(node, "quant_probe", None) is not None:
-            del node.quant_probe
+        if isinstance(node, Dense) and node.quant_probe is not None:
+            node.quant_probe = nnx.data(None)
 
 
 def value_and_grad(f, *, has_aux: bool = False):

@@ -110,12 +110,14 @@ class Dense(nnx.Module):
         self.promote_dtype = promote_dtype
         self.rng_collection = rng_collection
         self.rngs: nnx.RngStream | None = quantize_stream(recipe, rngs, rng_collection, "jax_fp4.flax.nnx.Dense")
+        # a diagnostics probe (jax_fp4.flax.diagnostics.instrument sets it for one step; None: none, no state)
+        self.quant_probe: nnx.Variable | None = nnx.data(None)
 
     def __call__(self, x: jax.Array, *, rngs: RngsLike = None, x_amax: jax.Array | None = None) -> jax.Array:
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         x, kernel, bias = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
-        probe = getattr(self, "quant_probe", None)  # set by jax_fp4.flax.diagnostics.instrument
+        probe = self.quant_probe  # set by jax_fp4.flax.diagnostics.instrument
         try:
             if probe is not None:
                 return _diagnostics.dense(x, kernel, bias, recipe=self.recipe,
