@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -164,7 +165,15 @@ def _window_pad(fmt, n: int) -> int:
     return -n % fmt.window_size if fmt is not None and fmt.local_1x64 else 0
 
 
-def _forward(recipe, implementation, x2, w, bias, key, x_amax=None):
+class _Routes(NamedTuple):
+    """The route of each of dense's GEMMs (`gemm_routes`), computed once per call and carried through the custom
+    VJP as a static argument."""
+    fprop: str
+    dgrad: str
+    wgrad: str
+
+
+def _forward(recipe, routes, x2, w, bias, key, x_amax=None):
     """y alone: only the fprop operands are quantized (no wgrad x, no dgrad w, no residuals).
 
     An NVFP4 1x64 fprop operand needs its non-block axis (x's M, w's N) to be a multiple of 64; a forward-only call
@@ -178,29 +187,28 @@ def _forward(recipe, implementation, x2, w, bias, key, x_amax=None):
         x2, w = jnp.pad(x2, ((0, pm), (0, 0))), jnp.pad(w, ((0, 0), (0, pn)))
         bias = None if bias is None else jnp.pad(bias, (0, pn))
     kx, kw, _ = operand_keys(key)
-    ex = gemm_routes(recipe, implementation)["fprop"] == "emulated"
+    ex = routes.fprop == "emulated"
     x_fprop, _, _ = _quantize_pair(x2, recipe.fprop_x, None, kx, exact=(ex, False), amax=x_amax)
     _, w_fprop, _ = _quantize_pair(w, None, recipe.fprop_w, kw, exact=(False, ex and not fsdp_axes(recipe)))
     w_fprop = gather_quantized(w_fprop, fsdp_axes(recipe))  # FSDP: the shards' codes and scales are gathered
-    y = _gemm(x_fprop, w_fprop, _FPROP, gemm_routes(recipe, implementation)["fprop"], jnp.result_type(x2, w), bias,
+    y = _gemm(x_fprop, w_fprop, _FPROP, routes.fprop, jnp.result_type(x2, w), bias,
               reduces_in_output_dtype(recipe))
     return y[:M, :N] if pm or pn else y
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _dense(recipe, implementation, x2, w, bias, key, x_amax):
-    return _forward(recipe, implementation, x2, w, bias, key, x_amax)
+def _dense(recipe, routes, x2, w, bias, key, x_amax):
+    return _forward(recipe, routes, x2, w, bias, key, x_amax)
 
 
-def _dense_fwd(recipe, implementation, x2, w, bias, key, x_amax):
+def _dense_fwd(recipe, routes, x2, w, bias, key, x_amax):
     _blocking.check(recipe, x2.shape[0], x2.shape[1], w.shape[1], differentiated=True)
     kx, kw, kdy = operand_keys(key)  # (the fprop key was checked by `dense`; dY's by the backward)
-    routes = gemm_routes(recipe, implementation)
-    ex = routes["fprop"] == "emulated"
+    ex = routes.fprop == "emulated"
     if _window_pad(recipe.fprop_x, x2.shape[0]) or _window_pad(recipe.fprop_w, w.shape[1]):
         # NVFP4 1x64 fprop operands padded to 64 rows / columns (`_forward`); the backward operands unpadded, each
         # orientation quantized on its own (the same bits as one quantize_rowwise_columnwise call with these keys)
-        y = _forward(recipe, implementation, x2, w, bias, key)
+        y = _forward(recipe, routes, x2, w, bias, key)
         _, x_wgrad, _ = _quantize_pair(x2, None, recipe.wgrad_x, kx)
         w_dgrad, _, _ = _quantize_pair(w, recipe.dgrad_w, None, kw)
     else:
@@ -210,7 +218,7 @@ def _dense_fwd(recipe, implementation, x2, w, bias, key, x_amax):
                                              exact=(False, ex and not fsdp_axes(recipe)))
         # FSDP: the shards' codes and scales are gathered; the residual w_dgrad stays sharded (gathered in the bwd)
         w_fprop = gather_quantized(w_fprop, fsdp_axes(recipe))
-        y = _gemm(x_fprop, w_fprop, _FPROP, routes["fprop"], jnp.result_type(x2, w), bias,
+        y = _gemm(x_fprop, w_fprop, _FPROP, routes.fprop, jnp.result_type(x2, w), bias,
                   reduces_in_output_dtype(recipe))
     res = (jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[0]), x_wgrad),
            jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[1]), w_dgrad),
@@ -218,19 +226,18 @@ def _dense_fwd(recipe, implementation, x2, w, bias, key, x_amax):
     return y, res
 
 
-def _dense_bwd(recipe, implementation, res, dy):
+def _dense_bwd(recipe, routes, res, dy):
     x_wgrad, w_dgrad, kdy, xs, ws, bs = res
     # Checked here, not in the forward rule: jax.jvp also runs the forward rule, and must end in the forward-mode
     # TypeError (reverse_mode_only), not in this one.
     recipe.check_key(kdy, "dense", backward=True)
     has_bias = bs is not None
-    routes = gemm_routes(recipe, implementation)
     dy_dgrad, dy_wgrad, db = _quantize_pair(dy, recipe.dgrad_dy, recipe.wgrad_dy, kdy, dbias=has_bias,
-                                            exact=(routes["dgrad"] == "emulated", routes["wgrad"] == "emulated"))
+                                            exact=(routes.dgrad == "emulated", routes.wgrad == "emulated"))
     red = reduces_in_output_dtype(recipe)
-    dx = _gemm(dy_dgrad, gather_quantized(w_dgrad, fsdp_axes(recipe)), _DGRAD, routes["dgrad"], xs.dtype,
+    dx = _gemm(dy_dgrad, gather_quantized(w_dgrad, fsdp_axes(recipe)), _DGRAD, routes.dgrad, xs.dtype,
                reduce_out=red)
-    dw = _gemm(x_wgrad, dy_wgrad, _WGRAD, routes["wgrad"], ws.dtype, reduce_out=red)
+    dw = _gemm(x_wgrad, dy_wgrad, _WGRAD, routes.wgrad, ws.dtype, reduce_out=red)
     dbias = db.astype(bs.dtype) if has_bias else None
     return dx, dw, dbias, None, None
 
@@ -282,7 +289,8 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, implementation: str
       TypeError: a recipe that is neither a Recipe nor a known name; forward-mode differentiation.
     """
     recipe = resolve(recipe, "dense")
-    gemm_routes(recipe, implementation)  # an unknown implementation, or "kernel" without the kernel: ValueError
+    routes = _Routes(**gemm_routes(recipe, implementation))  # once per call; an unknown implementation, or "kernel"
+    # without the kernel: ValueError
     x, kernel = jnp.asarray(x), jnp.asarray(kernel)
     if kernel.ndim != 2 or x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
         raise ValueError(f"dense: x {x.dtype}{list(x.shape)} and kernel {kernel.dtype}{list(kernel.shape)} do not "
@@ -305,7 +313,7 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, implementation: str
     x2 = x.reshape(math.prod(lead), x.shape[-1])
     if x_amax is not None:  # the amax of x as the quantizer sees it: x's dtype (rounding is monotonic), float32
         x_amax = lax.stop_gradient(jnp.asarray(x_amax).astype(x.dtype).astype(jnp.float32))
-    y = reverse_mode_only(_dense, "jax_fp4.dense")(recipe, implementation, x2, kernel, bias, key, x_amax)
+    y = reverse_mode_only(_dense, "jax_fp4.dense")(recipe, routes, x2, kernel, bias, key, x_amax)
     return y.reshape(*lead, kernel.shape[1])
 
 
