@@ -55,8 +55,9 @@ def test_a_bad_key_raises_whatever_the_recipe(recipe, bad):
 
 def test_quantize_ops_check_their_key_for_every_format():
     for fmt in (jax_fp4.MXFP8(), jax_fp4.NVFP4()):
-        for call in (lambda: jax_fp4.quantize(X, fmt, key="k"), lambda: jax_fp4.fake_quantize(X, fmt, -1, key="k"),
-                     lambda: jax_fp4.grouped_quantize(X, jnp.array([16, 16]), fmt, key="k")):
+        for call in (lambda f=fmt: jax_fp4.quantize(X, f, key="k"),
+                     lambda f=fmt: jax_fp4.fake_quantize(X, f, -1, key="k"),
+                     lambda f=fmt: jax_fp4.grouped_quantize(X, jnp.array([16, 16]), f, key="k")):
             with pytest.raises(TypeError, match="PRNG key"):
                 call()
 

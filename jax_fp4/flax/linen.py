@@ -223,7 +223,8 @@ class Einsum(nn.Einsum):
             refuse_forward_mode("jax_fp4.flax.linen.Einsum", inputs, kernel)
         try:
             y = make_einsum(recipe, rng_collection=self.rng_collection)(
-                einsum_str, inputs, kernel, precision=self.precision, preferred_element_type=self.preferred_element_type)
+                einsum_str, inputs, kernel, precision=self.precision,
+                preferred_element_type=self.preferred_element_type)
         except BlockingError as e:
             raise e.with_layer(linen_path(self)) from None
         return y if bias is None else y + jnp.reshape(bias, broadcast_shape)
