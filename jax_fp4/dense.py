@@ -30,10 +30,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_fp4 import blocking as _blocking
 from jax_fp4._src.dimension_numbers import canonical_dimension_numbers
-from jax_fp4._src.primitives.gemm import exact_product
-from jax_fp4._src.primitives.partitioning_collective import narrow_product
+from jax_fp4._src.emulation.layer_gemm import FPROP, exact_gemm
 from jax_fp4._src.vjp_util import dtype_tag, operand_keys, refuse_forward_mode, reverse_mode_only
-from jax_fp4.distributed import fsdp_axes, gather_quantized, reduced_product, reduces_in_output_dtype
+from jax_fp4.distributed import fsdp_axes, gather_quantized, reduces_in_output_dtype
 from jax_fp4.gemm import ExactOperand, exact_operand, scaled_dot_general
 from jax_fp4.quantize import quantize_rowwise_columnwise
 from jax_fp4.recipes import Recipe, resolve
@@ -47,7 +46,7 @@ __all__ = ["dense", "dot_general", "RESIDUAL_NAMES", "IMPLEMENTATIONS", "gemm_ro
 IMPLEMENTATIONS = ("auto", "emulated", "kernel")
 
 RESIDUAL_NAMES = ("jax_fp4_x_wgrad", "jax_fp4_w_dgrad")
-_FPROP = (((1,), (0,)), ((), ()))  # x[M, K] . w[K, N]
+_FPROP = FPROP  # x[M, K] . w[K, N]
 _DGRAD = (((1,), (1,)), ((), ()))  # dy[M, N] . w[K, N] over N
 _WGRAD = (((0,), (0,)), ((), ()))  # x[M, K] . dy[M, N] over M
 
@@ -105,59 +104,12 @@ def _gemm(a, b, dn, route, out_dtype=jnp.float32, bias=None, reduce_out=False):
 
 
 def _exact_gemm(a, b, dn, out_dtype, bias, reduce_out=False):
-    """An emulated GEMM over exact operands: `exact_product` (+ bias in float32), cast to out_dtype once; reduce_out:
-    `reduced_product` instead (a sharded contraction summed in out_dtype, `jax_fp4.distributed`).
-
-    On CUDA devices (`lax.platform_dependent`) the program is written so that XLA runs its dot on cuBLAS; the
-    arithmetic is the same (float32 accumulation of exact products, the tensor scales multiplied in after, lhs's
-    first, one rounding to out_dtype), the summation order is cuBLAS's:
-      * no tensor scale and no bias (MXFP8 operands: the backward GEMMs of nvfp4-fwd-mxfp8-bwd, all of mxfp8): a
-        `dot_general` that writes out_dtype directly; cuBLAS rounds its float32 accumulator once. Written as a
-        float32 dot and a convert, XLA makes it a Triton GEMM fusion with the convert as its epilogue. The dot is
-        `narrow_product`'s: where a mesh shards the contraction, the shards' float32 partial products are summed
-        before the one rounding (XLA would partition the bfloat16-output dot into bfloat16 partial sums);
-      * fprop with a tensor scale (NVFP4 x and w), no bias and no reduce_out: the float32 dot is kept apart from the
-        scale multiplies and the cast by an optimization barrier, so it runs on cuBLAS and that epilogue fuses into the
-        layer output's consumer; otherwise XLA fuses the tensor-scale arithmetic into a slower Triton GEMM. A
-        bias add would land in whichever fusion XLA picks, where it may contract with the scale multiply into an
-        FMA (a LayerNormMLP with biases then gave other bits with and without `x_amax`), so with a bias
-        the GEMM stays as `exact_product` writes it. The rounding to out_dtype is a `reduce_precision` before the
-        cast: XLA (allow_excess_precision, on by default) removes a
-        float32 -> bfloat16 -> float32 convert pair inside a consumer fusion, which would hand some consumers the
-        unrounded value and make the layer's bits depend on how XLA fuses its neighbours;
-      * dgrad / wgrad with tensor scales (nvfp4): unchanged. Their outputs (dx, dw) leave the layer, so the
-        separate epilogue pass would cost more than the Triton epilogue saves.
-    The timings: docs/performance.md, "GEMM lowering". Elsewhere (the CPU) the program is `exact_product`
-    as written, whose bits the CPU tests pin: XLA:CPU sums a bfloat16-output dot in another order.
-    """
+    """An emulated GEMM of dense over exact operands (ExactOperands, or QuantizedArrays turned into theirs): the
+    form `jax_fp4._src.emulation.layer_gemm.exact_gemm` writes (+ bias in float32, one cast to out_dtype;
+    reduce_out: the sharded contraction summed in out_dtype)."""
     ops = [o if isinstance(o, ExactOperand) else exact_operand(lax.optimization_barrier(o)) for o in (a, b)]
     (va, ta), (vb, tb) = ops
-
-    def finish(y):
-        return (y if bias is None else y + bias.astype(jnp.float32)).astype(out_dtype)
-
-    def portable(va, vb, ta, tb):
-        if reduce_out:
-            return finish(reduced_product(va, vb, ta, tb, dn, out_dtype))
-        return finish(exact_product([(va, ta), (vb, tb)], dn))
-
-    narrow_out = jnp.dtype(out_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    bf16 = va.dtype == vb.dtype == jnp.bfloat16
-    if ta is None and tb is None and bias is None and narrow_out and bf16:
-        def cublas(va, vb, ta, tb):  # (a sharded contraction sums in float32, or out_dtype: `narrow_product`)
-            return narrow_product(va, vb, dn, out_dtype, out_dtype if reduce_out else jnp.float32)
-    elif dn == _FPROP and (ta is not None or tb is not None) and bias is None and bf16 and not reduce_out:
-        def cublas(va, vb, ta, tb):
-            y = lax.optimization_barrier(lax.dot_general(va, vb, dn, preferred_element_type=jnp.float32))
-            for t in (ta, tb):
-                y = y if t is None else y * t
-            if narrow_out:  # rounded here: XLA may drop a float32 -> out_dtype -> float32 convert pair in consumers
-                finfo = jnp.finfo(out_dtype)
-                y = lax.reduce_precision(y, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
-            return y.astype(out_dtype)
-    else:
-        return portable(va, vb, ta, tb)
-    return lax.platform_dependent(va, vb, ta, tb, cuda=cublas, default=portable)
+    return exact_gemm(va, ta, vb, tb, dn, out_dtype, bias, reduce_out)
 
 
 def _window_pad(fmt, n: int) -> int:
@@ -339,8 +291,9 @@ def dot_general(x, w, dimension_numbers, *, recipe: Recipe, key=None, implementa
     transpose when the axes are already there, e.g. x[..., K1, K2] . w[K1, K2, N...], DenseGeneral's form), the
     contracting axes are flattened into one K axis (the block axis, in the order the dimension numbers list them;
     every block lies within the last contracting axis: its size must be a multiple of the recipe's K block,
-    `jax_fp4.blocking.needs(recipe, differentiated=True)["K"]`, else BlockingError), the free axes into M and N, and the batch axes into one axis B over which `jax.vmap` maps `dense` (one NVFP4
-    tensor scale per batch element; with stochastic rounding, batch element b uses jax.random.split(key, B)[b]).
+    `jax_fp4.blocking.needs(recipe, differentiated=True)["K"]`, else BlockingError), the free axes into M and N,
+    and the batch axes into one axis B over which `jax.vmap` maps `dense` (one NVFP4 tensor scale per batch element;
+    with stochastic rounding, batch element b uses jax.random.split(key, B)[b]).
 
     Args:
       x, w: float arrays; w needs at least one free axis (N), x may have none (M = 1).

@@ -36,8 +36,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_fp4._src.dimension_numbers import canonical_dimension_numbers, check_dot_shapes
+from jax_fp4._src.emulation.product import exact_product
 from jax_fp4._src.primitives import gemm as _gemm_prim
-from jax_fp4._src.primitives.gemm import exact_operand, exact_product
+from jax_fp4._src.primitives.gemm import exact_operand
 from jax_fp4._src.primitives.gemm_operands import kernel_operand, native_operand
 from jax_fp4.quantized_array import ExactOperand, QuantizedArray
 from jax_fp4.reference.nvfp4 import tensor_decode_scale
@@ -199,7 +200,7 @@ def exact_dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float3
 
     The exact values multiply as a `lax.dot_general` with float32 accumulation (products exact: bfloat16 operands,
     or float32 for NVFP4 1x64), then the tensor scales multiply the float32 result (docs/numerics.md "GEMM emulation";
-    `jax_fp4._src.primitives.gemm.exact_product`, which the `jf4_gemm` primitive's emulated lowering shares).
+    `jax_fp4._src.emulation.product.exact_product`, which the `jf4_gemm` primitive's emulated lowering shares).
     `scaled_dot_general` validates QuantizedArray pairs (block axes contracted, RHT in pairs) before it comes here;
     ExactOperands carry no format, so that is the caller's contract (`jax_fp4.dense` pairs them by its recipe).
 

@@ -47,6 +47,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jax_fp4._src import ffi as _ffi
+from jax_fp4._src.emulation.product import cpu_narrow_dot_guard, exact_product  # noqa: F401 - re-exported
 from jax_fp4._src.ffi_codes import GemmFlag
 from jax_fp4._src.primitives import partitioning_gemm
 from jax_fp4._src.primitives._common import def_impl
@@ -71,7 +72,7 @@ gemm_p.multiple_results = True
 def_impl(gemm_p)
 
 
-# ---- the emulated product (shared with jax_fp4.gemm.exact_dot_general) -----------------------------------------
+# ---- the emulated product's operands (the product itself: jax_fp4/_src/emulation/product.py) ----------------
 def exact_operand(q: QuantizedArray):
     """(values, tensor_scale): values in q.shape's orientation with dequantize(q) == values * tensor_scale.
 
@@ -85,36 +86,6 @@ def exact_operand(q: QuantizedArray):
     if q.fmt.has_tensor_amax:
         return block_scaled_values(q), tensor_decode_scale(q.amax, q.fmt.global_e4m3_max)
     return dequantize_array(q, jnp.bfloat16), None
-
-
-def exact_product(ops, dimension_numbers):
-    """The float32 emulated product of two (values, tensor_scale) operands: a `lax.dot_general` at HIGHEST precision
-    with float32 accumulation (bfloat16 operands, float32 when either is float32), then the tensor scales multiply
-    the float32 result, lhs's first (docs/numerics.md "GEMM emulation")."""
-    (va, ta), (vb, tb) = ops
-    dt = jnp.float32 if jnp.float32 in (va.dtype, vb.dtype) else jnp.bfloat16
-
-    def dot(a, b):
-        return lax.dot_general(a.astype(dt), b.astype(dt), dimension_numbers, precision=lax.Precision.HIGHEST,
-                               preferred_element_type=jnp.float32)
-
-    out = dot(va, vb) if dt == jnp.float32 else cpu_narrow_dot_guard(dot, va, vb)
-    for t in (ta, tb):
-        if t is not None:
-            out = out * t
-    return out
-
-
-def cpu_narrow_dot_guard(dot, *operands):
-    """``dot(*operands)``, a dot of bfloat16 (or float16) operands with a float32 result, kept as written on the CPU.
-
-    XLA:CPU runs such a dot only inside its XNNPACK dot fusion, which takes some operand layouts and not others;
-    XLA's algebraic simplifier folds a transpose of the dot's result into the dot (swapping its operands), and in a
-    three-operand einsum's gradient that leaves a dot the fusion does not take, which the fallback, DotThunk, cannot
-    run ("UNIMPLEMENTED: Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"). An optimization barrier
-    on the result keeps the transpose outside. The dot, its bits and every other platform's program (CUDA's cuBLAS
-    GEMMs) are unchanged (`lax.platform_dependent`)."""
-    return lax.platform_dependent(*operands, cpu=lambda *a: lax.optimization_barrier(dot(*a)), default=dot)
 
 
 # ---- abstract evaluation ----------------------------------------------------------------------------------------
