@@ -85,3 +85,15 @@ def test_apply_and_describe_walk_the_model_once(monkeypatch):
     flax_policy.apply(POL, model, drop_in=True)
     flax_policy.describe(POL, model, drop_in=True)
     assert len(walks) == 2
+
+
+def test_describe_linen_of_a_model_the_policy_does_not_reach_raises():
+    import flax.linen as nn
+
+    class Plain(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(64)(x)
+
+    with pytest.raises(ValueError, match="linen_dot_general"):
+        flax_policy.describe_linen(POL, Plain(), jnp.ones((32, 64)))

@@ -302,7 +302,7 @@ def describe_linen(policy: Policy, module, *args, check: bool = True, **kwargs) 
     recipe, and layers using `linen_dot_general(policy)`), from an abstract ``module.init(key, *args, **kwargs)``.
 
     Raises:
-      UnmatchedRuleError (check=True): a rule matches no layer.
+      UnmatchedRuleError (check=True): a rule matches no layer. ValueError: no layer takes the policy.
     """
     with recording() as found, linen_module_paths():
         jax.eval_shape(lambda: module.init(jax.random.key(0), *args, **kwargs))
@@ -310,6 +310,10 @@ def describe_linen(policy: Policy, module, *args, check: bool = True, **kwargs) 
     for pol, p, r in found:
         if pol == policy:
             seen.setdefault(p, r)
+    if not seen:  # the policy reaches no layer: the model would train in full precision without a word
+        raise ValueError(f"describe_linen: no layer of {type(module).__name__} takes the policy: pass it as the "
+                         "recipe of jax_fp4.flax.linen layers (Dense, LayerNormDense, LayerNormMLP, Einsum), or use "
+                         "dot_general=jax_fp4.flax.policy.linen_dot_general(policy) in existing Linen layers")
     if check:
         policy.check(seen, f"{type(module).__name__}")
     return format_table((p, r.name, _rule_name(policy, p, r)) for p, r in seen.items())
