@@ -142,10 +142,14 @@ def _forward(recipe, routes, x2, w, bias, key, x_amax=None):
     ex = routes.fprop == "emulated"
     x_fprop, _, _ = _quantize_pair(x2, recipe.fprop_x, None, kx, exact=(ex, False), amax=x_amax)
     _, w_fprop, _ = _quantize_pair(w, None, recipe.fprop_w, kw, exact=(False, ex and not fsdp_axes(recipe)))
-    w_fprop = gather_quantized(w_fprop, fsdp_axes(recipe))  # FSDP: the shards' codes and scales are gathered
-    y = _gemm(x_fprop, w_fprop, _FPROP, routes.fprop, jnp.result_type(x2, w), bias,
-              reduces_in_output_dtype(recipe))
+    y = _fprop_gemm(recipe, routes, x_fprop, w_fprop, jnp.result_type(x2, w), bias)
     return y[:M, :N] if pm or pn else y
+
+
+def _fprop_gemm(recipe, routes, x_fprop, w_fprop, out_dtype, bias):
+    """The fprop GEMM of the quantized operands on its route; FSDP: w's shards' codes and scales gathered first."""
+    w_fprop = gather_quantized(w_fprop, fsdp_axes(recipe))
+    return _gemm(x_fprop, w_fprop, _FPROP, routes.fprop, out_dtype, bias, reduces_in_output_dtype(recipe))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -168,10 +172,8 @@ def _dense_fwd(recipe, routes, x2, w, bias, key, x_amax):
                                              amax=x_amax)
         w_dgrad, w_fprop, _ = _quantize_pair(w, recipe.dgrad_w, recipe.fprop_w, kw,
                                              exact=(False, ex and not fsdp_axes(recipe)))
-        # FSDP: the shards' codes and scales are gathered; the residual w_dgrad stays sharded (gathered in the bwd)
-        w_fprop = gather_quantized(w_fprop, fsdp_axes(recipe))
-        y = _gemm(x_fprop, w_fprop, _FPROP, routes.fprop, jnp.result_type(x2, w), bias,
-                  reduces_in_output_dtype(recipe))
+        # the residual w_dgrad stays sharded under FSDP (gathered in the bwd)
+        y = _fprop_gemm(recipe, routes, x_fprop, w_fprop, jnp.result_type(x2, w), bias)
     res = (jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[0]), x_wgrad),
            jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[1]), w_dgrad),
            kdy, dtype_tag(x2), dtype_tag(w), None if bias is None else dtype_tag(bias))
