@@ -291,8 +291,9 @@ def dot_general(x, w, dimension_numbers, *, recipe: Recipe, key=None, implementa
 
     Any dimension numbers: x is transposed to (batch, free, contracting) and w to (batch, contracting, free) (no
     transpose when the axes are already there, e.g. x[..., K1, K2] . w[K1, K2, N...], DenseGeneral's form), the
-    contracting axes are flattened into one K axis (the block axis, in the order the dimension numbers list them;
-    every block lies within the last contracting axis: its size must be a multiple of the recipe's K block,
+    contracting axes are flattened into one K axis (the block axis) in x's axis order, whatever order the dimension
+    numbers list the pairs in (so x[..., H, D] contracted over (H, D) or (D, H), e.g. by jnp.einsum, blocks along
+    D); every block lies within x's last contracting axis: its size must be a multiple of the recipe's K block,
     `jax_fp4.blocking.needs(recipe, differentiated=True)["K"]`, else BlockingError), the free axes into M and N,
     and the batch axes into one axis B over which `jax.vmap` maps `dense` (one NVFP4 tensor scale per batch element;
     with stochastic rounding, batch element b uses jax.random.split(key, B)[b]).
@@ -313,6 +314,8 @@ def dot_general(x, w, dimension_numbers, *, recipe: Recipe, key=None, implementa
     recipe = resolve(recipe, "dot_general")
     x, w = jnp.asarray(x), jnp.asarray(w)
     (cl, cr), (bl, br) = canonical_dimension_numbers(dimension_numbers, x.ndim, w.ndim)
+    if len(cl) > 1:  # K flattens in x's axis order, whatever order the pairs are listed in (jnp.einsum's is its own)
+        cl, cr = (tuple(a) for a in zip(*sorted(zip(cl, cr, strict=True)), strict=True))
     if not cl or w.ndim == len(cr) + len(br):
         raise ValueError(f"dot_general: {x.shape} . {w.shape} with {dimension_numbers}: needs a contracting dimension "
                          "and a free dimension of w")
@@ -327,7 +330,7 @@ def dot_general(x, w, dimension_numbers, *, recipe: Recipe, key=None, implementa
     if [*br, *cr, *rf] != list(range(w.ndim)):
         w = jnp.transpose(w, (*br, *cr, *rf))
     if len(cl) > 1 and recipe.quantized:
-        _check_multi_axis_contraction(recipe, [x.shape[d] for d in cl], dimension_numbers)
+        _check_multi_axis_contraction(recipe, list(x.shape[x.ndim - len(cl):]), dimension_numbers)
     bshape = x.shape[:len(bl)]
     mshape = x.shape[len(bl):x.ndim - len(cl)]
     nshape = w.shape[len(br) + len(cr):]

@@ -257,7 +257,8 @@ def test_more_dense_general_forms(form):
     elif form == "rhs_trailing":  # w[N, H, D]
         a, b, dn = _n((32, 2, 32), 21), _n((32, 2, 32), 22), (((1, 2), (1, 2)), ((), ()))
         want = jax_fp4.dense(a.reshape(32, 64), b.reshape(32, 64).T, recipe=MX)
-    else:  # x[T, H, D] contracted as (D, H) against w[D, H, N]: the pairs, not their order, define the product
+    else:  # x[T, H, D] contracted as (D, H) against w[D, H, N]: the pairs, not their order, define the product,
+        # K flattens in x's axis order (H, D)
         a, b, dn = _n((32, 2, 32), 21), _n((32, 2, 32), 22), (((2, 1), (0, 1)), ((), ()))
         want = jax_fp4.dense(a.reshape(32, 64), jnp.swapaxes(b, 0, 1).reshape(64, 32), recipe=MX)
     got = jax.jit(lambda a, b: dg(a, b, dn))(a, b)

@@ -11,8 +11,9 @@ transposes / reshapes around the call). `make_einsum` packages that with the key
     "quantize" rng collection (``apply(..., rngs={"quantize": key})``);
   * plain JAX: ``make_einsum(recipe)(subscripts, x, w, key=key)``.
 
-Contractions over several axes flatten them into K (`jax_fp4.dot_general`): every block lies within the last
-contracted axis, whose size must be a multiple of the recipe's K block (BlockingError otherwise). `make_dot_general`
+Contractions over several axes flatten them into K in x's axis order (`jax_fp4.dot_general`), whatever order
+`jnp.einsum` lists them in: every block lies within x's last contracted axis, whose size must be a multiple of the
+recipe's K block (BlockingError otherwise). `make_dot_general`
 given as an einsum op raises TypeError naming `make_einsum`.
 
 `jnp.einsum` runs its contractions inside its own `jax.jit` trace, so the key of a call is drawn *before* it (from
