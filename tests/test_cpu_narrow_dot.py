@@ -13,6 +13,7 @@ import pytest
 from jax_fp4 import recipes
 from jax_fp4.flax.einsum import make_einsum
 
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's program (GPU: cuBLAS GEMMs)")
 OPS = [jax.random.normal(jax.random.key(i), (64, 64), jnp.float32) for i in range(3)]
 
 
