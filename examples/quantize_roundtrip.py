@@ -27,7 +27,8 @@ def main():
         q = jax.jit(lambda x, fmt=fmt: jax_fp4.quantize(x, fmt))(w)
         w_hat = jax_fp4.dequantize(q, jnp.float32)
         err = jnp.linalg.norm(w_hat - w.astype(jnp.float32)) / jnp.linalg.norm(w.astype(jnp.float32))
-        bits = jnp.finfo(q.data.dtype).bits * q.data.size + 8 * q.scale.size
+        bits = jnp.finfo(q.data.dtype).bits * q.data.size + 8 * q.scale.size  # codes + block scales
+        bits += sum(32 * a.size for a in (q.amax, q.window_amax) if a is not None)  # fp32 tensor / window amaxes
         print(f"{name:12s} {float(err):10.4f} {bits / w.size:10.3f}")
 
 

@@ -7,7 +7,8 @@ Public surface (the README's "API" section has the signatures; the numeric contr
   fake_quantize                         dequantize(quantize(x)) with a straight-through gradient (QAT)
   swizzle_scales, unswizzle_scales      compact <-> GEMM-swizzled scale layout
   tensor_amax                           fmax-reduction of |x| (CUDA kernel where available)
-  scaled_dot_general                    product of two QuantizedArrays (emulated, or native on compute capability >= 10)
+  scaled_dot_general                    product of two QuantizedArrays on a route of jax_fp4.route.gemm_route: the
+                                        jf4_gemm kernel (compute capability 9.x), native (>= 10) or emulated
   grouped_quantize, grouped_quantize_rowwise_columnwise, grouped_dequantize
                                         MoE groups in one call -> / <- GroupedQuantizedArray
   recipes, dense, dot_general           quantized training: custom-VJP GEMMs following a Recipe

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +30,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_fp4 import blocking as _blocking
 from jax_fp4._src.dimension_numbers import canonical_dimension_numbers
-from jax_fp4._src.primitives.gemm import exact_product
-from jax_fp4._src.primitives.partitioning_collective import narrow_product
-from jax_fp4._src.vjp_util import dtype_tag, operand_keys, reverse_mode_only
-from jax_fp4.distributed import fsdp_axes, gather_quantized, reduced_product, reduces_in_output_dtype
+from jax_fp4._src.emulation.layer_gemm import FPROP, exact_gemm
+from jax_fp4._src.vjp_util import dtype_tag, operand_keys, refuse_forward_mode, reverse_mode_only
+from jax_fp4.distributed import fsdp_axes, gather_quantized, reduces_in_output_dtype
 from jax_fp4.gemm import ExactOperand, exact_operand, scaled_dot_general
 from jax_fp4.quantize import quantize_rowwise_columnwise
 from jax_fp4.recipes import Recipe, resolve
@@ -46,7 +46,7 @@ __all__ = ["dense", "dot_general", "RESIDUAL_NAMES", "IMPLEMENTATIONS", "gemm_ro
 IMPLEMENTATIONS = ("auto", "emulated", "kernel")
 
 RESIDUAL_NAMES = ("jax_fp4_x_wgrad", "jax_fp4_w_dgrad")
-_FPROP = (((1,), (0,)), ((), ()))  # x[M, K] . w[K, N]
+_FPROP = FPROP  # x[M, K] . w[K, N]
 _DGRAD = (((1,), (1,)), ((), ()))  # dy[M, N] . w[K, N] over N
 _WGRAD = (((0,), (0,)), ((), ()))  # x[M, K] . dy[M, N] over M
 
@@ -104,59 +104,12 @@ def _gemm(a, b, dn, route, out_dtype=jnp.float32, bias=None, reduce_out=False):
 
 
 def _exact_gemm(a, b, dn, out_dtype, bias, reduce_out=False):
-    """An emulated GEMM over exact operands: `exact_product` (+ bias in float32), cast to out_dtype once; reduce_out:
-    `reduced_product` instead (a sharded contraction summed in out_dtype, `jax_fp4.distributed`).
-
-    On CUDA devices (`lax.platform_dependent`) the program is written so that XLA runs its dot on cuBLAS; the
-    arithmetic is the same (float32 accumulation of exact products, the tensor scales multiplied in after, lhs's
-    first, one rounding to out_dtype), the summation order is cuBLAS's:
-      * no tensor scale and no bias (MXFP8 operands: the backward GEMMs of nvfp4-fwd-mxfp8-bwd, all of mxfp8): a
-        `dot_general` that writes out_dtype directly; cuBLAS rounds its float32 accumulator once. Written as a
-        float32 dot and a convert, XLA makes it a Triton GEMM fusion with the convert as its epilogue. The dot is
-        `narrow_product`'s: where a mesh shards the contraction, the shards' float32 partial products are summed
-        before the one rounding (XLA would partition the bfloat16-output dot into bfloat16 partial sums);
-      * fprop with a tensor scale (NVFP4 x and w), no bias and no reduce_out: the float32 dot is kept apart from the
-        scale multiplies and the cast by an optimization barrier, so it runs on cuBLAS and that epilogue fuses into the
-        layer output's consumer; otherwise XLA fuses the tensor-scale arithmetic into a slower Triton GEMM. A
-        bias add would land in whichever fusion XLA picks, where it may contract with the scale multiply into an
-        FMA; on an H100 a LayerNormMLP with biases then gave other bits with and without `x_amax`, so with a bias
-        the GEMM stays as `exact_product` writes it. The rounding to out_dtype is a `reduce_precision` before the
-        cast: XLA (allow_excess_precision, on by default) removes a
-        float32 -> bfloat16 -> float32 convert pair inside a consumer fusion, which would hand some consumers the
-        unrounded value and make the layer's bits depend on how XLA fuses its neighbours;
-      * dgrad / wgrad with tensor scales (nvfp4): unchanged. Their outputs (dx, dw) leave the layer, so the
-        separate epilogue pass would cost more than the Triton epilogue saves.
-    Measured on an H100 in docs/performance.md, "GEMM lowering". Elsewhere (the CPU) the program is `exact_product`
-    as written, whose bits the CPU tests pin: XLA:CPU sums a bfloat16-output dot in another order.
-    """
+    """An emulated GEMM of dense over exact operands (ExactOperands, or QuantizedArrays turned into theirs): the
+    form `jax_fp4._src.emulation.layer_gemm.exact_gemm` writes (+ bias in float32, one cast to out_dtype;
+    reduce_out: the sharded contraction summed in out_dtype)."""
     ops = [o if isinstance(o, ExactOperand) else exact_operand(lax.optimization_barrier(o)) for o in (a, b)]
     (va, ta), (vb, tb) = ops
-
-    def finish(y):
-        return (y if bias is None else y + bias.astype(jnp.float32)).astype(out_dtype)
-
-    def portable(va, vb, ta, tb):
-        if reduce_out:
-            return finish(reduced_product(va, vb, ta, tb, dn, out_dtype))
-        return finish(exact_product([(va, ta), (vb, tb)], dn))
-
-    narrow_out = jnp.dtype(out_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    bf16 = va.dtype == vb.dtype == jnp.bfloat16
-    if ta is None and tb is None and bias is None and narrow_out and bf16:
-        def cublas(va, vb, ta, tb):  # (a sharded contraction sums in float32, or out_dtype: `narrow_product`)
-            return narrow_product(va, vb, dn, out_dtype, out_dtype if reduce_out else jnp.float32)
-    elif dn == _FPROP and (ta is not None or tb is not None) and bias is None and bf16 and not reduce_out:
-        def cublas(va, vb, ta, tb):
-            y = lax.optimization_barrier(lax.dot_general(va, vb, dn, preferred_element_type=jnp.float32))
-            for t in (ta, tb):
-                y = y if t is None else y * t
-            if narrow_out:  # rounded here: XLA may drop a float32 -> out_dtype -> float32 convert pair in consumers
-                finfo = jnp.finfo(out_dtype)
-                y = lax.reduce_precision(y, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
-            return y.astype(out_dtype)
-    else:
-        return portable(va, vb, ta, tb)
-    return lax.platform_dependent(va, vb, ta, tb, cuda=cublas, default=portable)
+    return exact_gemm(va, ta, vb, tb, dn, out_dtype, bias, reduce_out)
 
 
 def _window_pad(fmt, n: int) -> int:
@@ -164,7 +117,15 @@ def _window_pad(fmt, n: int) -> int:
     return -n % fmt.window_size if fmt is not None and fmt.local_1x64 else 0
 
 
-def _forward(recipe, implementation, x2, w, bias, key, x_amax=None):
+class _Routes(NamedTuple):
+    """The route of each of dense's GEMMs (`gemm_routes`), computed once per call and carried through the custom
+    VJP as a static argument."""
+    fprop: str
+    dgrad: str
+    wgrad: str
+
+
+def _forward(recipe, routes, x2, w, bias, key, x_amax=None):
     """y alone: only the fprop operands are quantized (no wgrad x, no dgrad w, no residuals).
 
     An NVFP4 1x64 fprop operand needs its non-block axis (x's M, w's N) to be a multiple of 64; a forward-only call
@@ -178,29 +139,32 @@ def _forward(recipe, implementation, x2, w, bias, key, x_amax=None):
         x2, w = jnp.pad(x2, ((0, pm), (0, 0))), jnp.pad(w, ((0, 0), (0, pn)))
         bias = None if bias is None else jnp.pad(bias, (0, pn))
     kx, kw, _ = operand_keys(key)
-    ex = gemm_routes(recipe, implementation)["fprop"] == "emulated"
+    ex = routes.fprop == "emulated"
     x_fprop, _, _ = _quantize_pair(x2, recipe.fprop_x, None, kx, exact=(ex, False), amax=x_amax)
     _, w_fprop, _ = _quantize_pair(w, None, recipe.fprop_w, kw, exact=(False, ex and not fsdp_axes(recipe)))
-    w_fprop = gather_quantized(w_fprop, fsdp_axes(recipe))  # FSDP: the shards' codes and scales are gathered
-    y = _gemm(x_fprop, w_fprop, _FPROP, gemm_routes(recipe, implementation)["fprop"], jnp.result_type(x2, w), bias,
-              reduces_in_output_dtype(recipe))
+    y = _fprop_gemm(recipe, routes, x_fprop, w_fprop, jnp.result_type(x2, w), bias)
     return y[:M, :N] if pm or pn else y
 
 
+def _fprop_gemm(recipe, routes, x_fprop, w_fprop, out_dtype, bias):
+    """The fprop GEMM of the quantized operands on its route; FSDP: w's shards' codes and scales gathered first."""
+    w_fprop = gather_quantized(w_fprop, fsdp_axes(recipe))
+    return _gemm(x_fprop, w_fprop, _FPROP, routes.fprop, out_dtype, bias, reduces_in_output_dtype(recipe))
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _dense(recipe, implementation, x2, w, bias, key, x_amax):
-    return _forward(recipe, implementation, x2, w, bias, key, x_amax)
+def _dense(recipe, routes, x2, w, bias, key, x_amax):
+    return _forward(recipe, routes, x2, w, bias, key, x_amax)
 
 
-def _dense_fwd(recipe, implementation, x2, w, bias, key, x_amax):
+def _dense_fwd(recipe, routes, x2, w, bias, key, x_amax):
     _blocking.check(recipe, x2.shape[0], x2.shape[1], w.shape[1], differentiated=True)
     kx, kw, kdy = operand_keys(key)  # (the fprop key was checked by `dense`; dY's by the backward)
-    routes = gemm_routes(recipe, implementation)
-    ex = routes["fprop"] == "emulated"
+    ex = routes.fprop == "emulated"
     if _window_pad(recipe.fprop_x, x2.shape[0]) or _window_pad(recipe.fprop_w, w.shape[1]):
         # NVFP4 1x64 fprop operands padded to 64 rows / columns (`_forward`); the backward operands unpadded, each
         # orientation quantized on its own (the same bits as one quantize_rowwise_columnwise call with these keys)
-        y = _forward(recipe, implementation, x2, w, bias, key)
+        y = _forward(recipe, routes, x2, w, bias, key)
         _, x_wgrad, _ = _quantize_pair(x2, None, recipe.wgrad_x, kx)
         w_dgrad, _, _ = _quantize_pair(w, recipe.dgrad_w, None, kw)
     else:
@@ -208,29 +172,26 @@ def _dense_fwd(recipe, implementation, x2, w, bias, key, x_amax):
                                              amax=x_amax)
         w_dgrad, w_fprop, _ = _quantize_pair(w, recipe.dgrad_w, recipe.fprop_w, kw,
                                              exact=(False, ex and not fsdp_axes(recipe)))
-        # FSDP: the shards' codes and scales are gathered; the residual w_dgrad stays sharded (gathered in the bwd)
-        w_fprop = gather_quantized(w_fprop, fsdp_axes(recipe))
-        y = _gemm(x_fprop, w_fprop, _FPROP, routes["fprop"], jnp.result_type(x2, w), bias,
-                  reduces_in_output_dtype(recipe))
+        # the residual w_dgrad stays sharded under FSDP (gathered in the bwd)
+        y = _fprop_gemm(recipe, routes, x_fprop, w_fprop, jnp.result_type(x2, w), bias)
     res = (jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[0]), x_wgrad),
            jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[1]), w_dgrad),
            kdy, dtype_tag(x2), dtype_tag(w), None if bias is None else dtype_tag(bias))
     return y, res
 
 
-def _dense_bwd(recipe, implementation, res, dy):
+def _dense_bwd(recipe, routes, res, dy):
     x_wgrad, w_dgrad, kdy, xs, ws, bs = res
     # Checked here, not in the forward rule: jax.jvp also runs the forward rule, and must end in the forward-mode
     # TypeError (reverse_mode_only), not in this one.
     recipe.check_key(kdy, "dense", backward=True)
     has_bias = bs is not None
-    routes = gemm_routes(recipe, implementation)
     dy_dgrad, dy_wgrad, db = _quantize_pair(dy, recipe.dgrad_dy, recipe.wgrad_dy, kdy, dbias=has_bias,
-                                            exact=(routes["dgrad"] == "emulated", routes["wgrad"] == "emulated"))
+                                            exact=(routes.dgrad == "emulated", routes.wgrad == "emulated"))
     red = reduces_in_output_dtype(recipe)
-    dx = _gemm(dy_dgrad, gather_quantized(w_dgrad, fsdp_axes(recipe)), _DGRAD, routes["dgrad"], xs.dtype,
+    dx = _gemm(dy_dgrad, gather_quantized(w_dgrad, fsdp_axes(recipe)), _DGRAD, routes.dgrad, xs.dtype,
                reduce_out=red)
-    dw = _gemm(x_wgrad, dy_wgrad, _WGRAD, routes["wgrad"], ws.dtype, reduce_out=red)
+    dw = _gemm(x_wgrad, dy_wgrad, _WGRAD, routes.wgrad, ws.dtype, reduce_out=red)
     dbias = db.astype(bs.dtype) if has_bias else None
     return dx, dw, dbias, None, None
 
@@ -282,13 +243,16 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, implementation: str
       TypeError: a recipe that is neither a Recipe nor a known name; forward-mode differentiation.
     """
     recipe = resolve(recipe, "dense")
-    gemm_routes(recipe, implementation)  # an unknown implementation, or "kernel" without the kernel: ValueError
+    routes = _Routes(**gemm_routes(recipe, implementation))  # once per call; an unknown implementation, or "kernel"
+    # without the kernel: ValueError
     x, kernel = jnp.asarray(x), jnp.asarray(kernel)
     if kernel.ndim != 2 or x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
         raise ValueError(f"dense: x {x.dtype}{list(x.shape)} and kernel {kernel.dtype}{list(kernel.shape)} do not "
                          "line up (x [..., K], kernel [K, N])")
     if bias is not None and jnp.shape(bias) != (kernel.shape[1],):
         raise ValueError(f"dense: bias shape {jnp.shape(bias)} != ({kernel.shape[1]},)")
+    if recipe.quantized:  # before the key check: one error whatever the key
+        refuse_forward_mode("jax_fp4.dense", x, kernel, bias)
     recipe.check_key(key, "dense", backward=False)  # (a non-key is refused under BF16 too)
     if x_amax is not None:
         check_amax(x_amax, x, "dense: x_amax")
@@ -303,8 +267,23 @@ def dense(x, kernel, bias=None, *, recipe: Recipe, key=None, implementation: str
     x2 = x.reshape(math.prod(lead), x.shape[-1])
     if x_amax is not None:  # the amax of x as the quantizer sees it: x's dtype (rounding is monotonic), float32
         x_amax = lax.stop_gradient(jnp.asarray(x_amax).astype(x.dtype).astype(jnp.float32))
-    y = reverse_mode_only(_dense, "jax_fp4.dense")(recipe, implementation, x2, kernel, bias, key, x_amax)
+    y = reverse_mode_only(_dense, "jax_fp4.dense")(recipe, routes, x2, kernel, bias, key, x_amax)
     return y.reshape(*lead, kernel.shape[1])
+
+
+def _check_multi_axis_contraction(recipe, sizes, dimension_numbers):
+    """BlockingError unless every block along the flattened K lies within the last contracting axis (its size a
+    multiple of the recipe's K block): a block spanning several entries of an outer contracting axis (e.g. heads x
+    head_dim with head_dim < the block) would share one block scale across them."""
+    k_block = _blocking.needs(recipe, differentiated=True)["K"]
+    if sizes[-1] % k_block:
+        raise _blocking.BlockingError(
+            f"dot_general: the contracting axes of sizes {tuple(sizes)} (dimension numbers {dimension_numbers}) "
+            f"flatten into one K, and recipe {recipe.name}'s blocks of {k_block} along K must each lie within the "
+            f"last contracting axis, whose size {sizes[-1]} is not a multiple of {k_block} (a block would span "
+            "entries of the outer contracting axes, e.g. several heads). Fixes: contract the outer axes as batch "
+            "axes (one GEMM each, then sum), order the contracting axes so that the last one holds whole blocks, "
+            "or a recipe with smaller blocks")
 
 
 def dot_general(x, w, dimension_numbers, *, recipe: Recipe, key=None, implementation: str = "auto"):
@@ -312,9 +291,12 @@ def dot_general(x, w, dimension_numbers, *, recipe: Recipe, key=None, implementa
 
     Any dimension numbers: x is transposed to (batch, free, contracting) and w to (batch, contracting, free) (no
     transpose when the axes are already there, e.g. x[..., K1, K2] . w[K1, K2, N...], DenseGeneral's form), the
-    contracting axes are flattened into one K axis (the block axis, in the order the dimension numbers list them),
-    the free axes into M and N, and the batch axes into one axis B over which `jax.vmap` maps `dense` (one NVFP4
-    tensor scale per batch element; with stochastic rounding, batch element b uses jax.random.split(key, B)[b]).
+    contracting axes are flattened into one K axis (the block axis) in x's axis order, whatever order the dimension
+    numbers list the pairs in (so x[..., H, D] contracted over (H, D) or (D, H), e.g. by jnp.einsum, blocks along
+    D); every block lies within x's last contracting axis: its size must be a multiple of the recipe's K block,
+    `jax_fp4.blocking.needs(recipe, differentiated=True)["K"]`, else BlockingError), the free axes into M and N,
+    and the batch axes into one axis B over which `jax.vmap` maps `dense` (one NVFP4 tensor scale per batch element;
+    with stochastic rounding, batch element b uses jax.random.split(key, B)[b]).
 
     Args:
       x, w: float arrays; w needs at least one free axis (N), x may have none (M = 1).
@@ -329,8 +311,11 @@ def dot_general(x, w, dimension_numbers, *, recipe: Recipe, key=None, implementa
       dimension, w without a free axis, non-floating operands; and the errors of `dense`.
     """
     check_key(key, "dot_general")
+    recipe = resolve(recipe, "dot_general")
     x, w = jnp.asarray(x), jnp.asarray(w)
     (cl, cr), (bl, br) = canonical_dimension_numbers(dimension_numbers, x.ndim, w.ndim)
+    if len(cl) > 1:  # K flattens in x's axis order, whatever order the pairs are listed in (jnp.einsum's is its own)
+        cl, cr = (tuple(a) for a in zip(*sorted(zip(cl, cr, strict=True)), strict=True))
     if not cl or w.ndim == len(cr) + len(br):
         raise ValueError(f"dot_general: {x.shape} . {w.shape} with {dimension_numbers}: needs a contracting dimension "
                          "and a free dimension of w")
@@ -344,6 +329,8 @@ def dot_general(x, w, dimension_numbers, *, recipe: Recipe, key=None, implementa
         x = jnp.transpose(x, (*bl, *lf, *cl))
     if [*br, *cr, *rf] != list(range(w.ndim)):
         w = jnp.transpose(w, (*br, *cr, *rf))
+    if len(cl) > 1 and recipe.quantized:
+        _check_multi_axis_contraction(recipe, list(x.shape[x.ndim - len(cl):]), dimension_numbers)
     bshape = x.shape[:len(bl)]
     mshape = x.shape[len(bl):x.ndim - len(cl)]
     nshape = w.shape[len(br) + len(cr):]

@@ -15,9 +15,9 @@ Three implementations, chosen at trace time:
     operands are converted first: swizzled scales unswizzled, MXFP8 data and scales blocked along a non-last axis
     transposed to K-major (NVFP4 2D scales are stored per row already). It runs on compute capability 9.x when the
     CUDA extension provides `jf4_gemm` (`kernel_gemm_available`); elsewhere the primitive lowers to the emulation,
-    bit for bit. "auto" takes it only for NVFP4 1x64 pairs (`jax_fp4.route.auto_takes_kernel`: on an H200 it runs
-    those at 3.3x the emulated route's float32 GEMM, but MXFP8 and NVFP4 1D at 0.27-0.41x cuBLAS bf16, slower than
-    the emulated route's bf16 GEMM over exact operands); there it is requested with implementation="kernel".
+    bit for bit. "auto" takes it only for NVFP4 1x64 pairs (`jax_fp4.route.auto_takes_kernel`: faster than the
+    emulated route's float32 GEMM for those, slower than its bf16 GEMM over exact operands for MXFP8 and NVFP4 1D;
+    docs/performance.md, "Block-scaled GEMM"); there it is requested with implementation="kernel".
   * "native": `jax.nn.scaled_matmul` for MXFP8 x MXFP8 and NVFP4 1D x NVFP4 1D operands whose block axis is their
     only contracting axis and with no batch axes; the NVFP4 tensor scales are applied to its float32 result the same
     way. "auto" takes it on compute capability >= 10 (cuDNN's block-scaled GEMM on the tensor cores); it may be
@@ -36,8 +36,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_fp4._src.dimension_numbers import canonical_dimension_numbers, check_dot_shapes
+from jax_fp4._src.emulation.product import exact_product
 from jax_fp4._src.primitives import gemm as _gemm_prim
-from jax_fp4._src.primitives.gemm import exact_operand, exact_product
+from jax_fp4._src.primitives.gemm import exact_operand
 from jax_fp4._src.primitives.gemm_operands import kernel_operand, native_operand
 from jax_fp4.quantized_array import ExactOperand, QuantizedArray
 from jax_fp4.reference.nvfp4 import tensor_decode_scale
@@ -199,7 +200,7 @@ def exact_dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float3
 
     The exact values multiply as a `lax.dot_general` with float32 accumulation (products exact: bfloat16 operands,
     or float32 for NVFP4 1x64), then the tensor scales multiply the float32 result (docs/numerics.md "GEMM emulation";
-    `jax_fp4._src.primitives.gemm.exact_product`, which the `jf4_gemm` primitive's emulated lowering shares).
+    `jax_fp4._src.emulation.product.exact_product`, which the `jf4_gemm` primitive's emulated lowering shares).
     `scaled_dot_general` validates QuantizedArray pairs (block axes contracted, RHT in pairs) before it comes here;
     ExactOperands carry no format, so that is the caller's contract (`jax_fp4.dense` pairs them by its recipe).
 

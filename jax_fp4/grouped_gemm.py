@@ -1,7 +1,9 @@
 """Quantized grouped GEMM `ragged_dot` (MoE expert projections) with a custom VJP following a `Recipe`.
 
 y[t] = lhs[t] @ rhs[g] for every row t of group g, as `jax.lax.ragged_dot`: lhs [T, K] holds the tokens sorted by
-expert (group_sizes[g] rows each, rows past sum(group_sizes) give 0), rhs [G, K, N] one weight per expert.
+expert (group_sizes[g] rows each, rows past sum(group_sizes) give 0), rhs [G, K, N] one weight per expert. Group
+sizes outside lax.ragged_dot's domain (a negative size, a sum past T) follow `clip_group_sizes` (a negative size
+counts as 0, rows past T are cut off) in the value and the gradient alike.
 
 The three GEMMs and their operands (x = lhs, w = rhs, dy the cotangent of y; the recipe fields in brackets):
   fprop  y     = ragged_dot(x, w)        x [fprop_x] blocks along K, w [fprop_w] blocks along K
@@ -43,8 +45,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_fp4 import blocking as _blocking
 from jax_fp4 import validation
-from jax_fp4._src.vjp_util import dtype_tag, operand_keys, reverse_mode_only
+from jax_fp4._src.vjp_util import dtype_tag, operand_keys, refuse_forward_mode, reverse_mode_only
 from jax_fp4.dense import RESIDUAL_NAMES
 from jax_fp4.gemm import exact_operand
 from jax_fp4.grouped import grouped_dequantize, grouped_quantize_rowwise_columnwise
@@ -54,7 +57,7 @@ from jax_fp4.quantized_array import QuantizedArray
 from jax_fp4.recipes import Recipe, resolve
 from jax_fp4.reference.nvfp4 import tensor_decode_scale
 
-__all__ = ["ragged_dot", "grouped_exact_operand", "FPROP_DIMS", "DGRAD_DIMS", "WGRAD_DIMS"]
+__all__ = ["ragged_dot", "clip_group_sizes", "grouped_exact_operand", "FPROP_DIMS", "DGRAD_DIMS", "WGRAD_DIMS"]
 
 # x[T, K] . w[G, K, N] -> [T, N]; dy[T, N] . w[G, K, N] over N -> [T, K]; x[T, K] . dy[T, N] over T -> [G, K, N].
 FPROP_DIMS = lax.RaggedDotDimensionNumbers(((([1], [1])), ([], [])), [0], [0])
@@ -133,6 +136,8 @@ def _ragged(recipe, x, w, group_sizes, key):
 
 
 def _ragged_fwd(recipe, x, w, group_sizes, key):
+    _blocking.check_grouped(recipe, x.shape[0], x.shape[1], w.shape[2], validation._concrete(group_sizes),
+                            differentiated=True)
     kx, kw, kdy = operand_keys(key)  # dY's key is checked by the backward (as in jax_fp4.dense)
     x_fprop, x_wgrad = _grouped_pair(x, group_sizes, recipe.fprop_x, recipe.wgrad_x, kx)
     w_dgrad, w_fprop = _weight_pair(w, recipe.dgrad_w, recipe.fprop_w, kw)
@@ -172,6 +177,14 @@ def _check(lhs, rhs, group_sizes, recipe):
                                  f"tokens ({e})") from None
 
 
+def clip_group_sizes(group_sizes, rows: int):
+    """The group sizes `ragged_dot` computes with: a negative size counts as 0 and groups past `rows` are cut off,
+    i.e. group g holds the rows [min(rows, S[g-1]), min(rows, S[g])), S the running sum of max(size, 0). The
+    identity on sizes >= 0 that sum to <= rows (where `jax.lax.ragged_dot` defines its result)."""
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), rows)
+    return jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype)).astype(group_sizes.dtype)
+
+
 def ragged_dot(lhs, rhs, group_sizes, *, recipe: Recipe, key=None):
     """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` with the GEMMs quantized as `recipe` says (custom VJP, module
     docstring).
@@ -179,7 +192,10 @@ def ragged_dot(lhs, rhs, group_sizes, *, recipe: Recipe, key=None):
     Args:
       lhs: bfloat16 / float16 / float32 [T, K], the rows of group g contiguous (tokens sorted by expert).
       rhs: [G, K, N] (same float dtypes), one weight per group.
-      group_sizes: int[G] rows per group (traced: a router's counts; sum <= T, rows past the sum give 0).
+      group_sizes: int[G] rows per group (traced: a router's counts); rows past their sum give 0. Sizes >= 0 that
+        sum to <= T are used as given (`jax.lax.ragged_dot`'s domain, where BF16 gives its bits); otherwise a
+        negative size counts as 0 and groups past row T are cut off (`clip_group_sizes`), in the value and in the
+        gradient alike, traced or concrete.
       recipe: a `jax_fp4.recipes.Recipe` or its name (`recipes.by_name`); `recipes.BF16()` calls
         `jax.lax.ragged_dot` unchanged (same bits, same gradients). Its x / dy formats must be grouped formats
         (NVFP4 1D, RHT, SR; MXFP8): NVFP4_1x64 raises.
@@ -192,15 +208,21 @@ def ragged_dot(lhs, rhs, group_sizes, *, recipe: Recipe, key=None):
       [T, N] in the promoted dtype of lhs and rhs (float32 accumulation and tensor scales, then one cast).
 
     Raises:
-      ValueError: shapes that do not line up; group_sizes not int[G]; a missing key; formats that cannot block the
-      shapes (K and N multiples of the formats' blocks, 16 for NVFP4 2D weights); when differentiated with a
-      quantized wgrad, concrete group sizes that are not multiples of the wgrad formats' block size. Traced
-      misaligned group sizes do not raise: that group's dw is NaN (module docstring).
+      ValueError: shapes that do not line up; group_sizes not int[G]; a missing key.
+      `jax_fp4.blocking.BlockingError` (a ValueError naming each operand role, the dimension or group and the
+      fixes; `jax_fp4.flax.moe.MoEMLP` adds its layer path): formats that cannot block the shapes (K and N
+      multiples of the formats' blocks, 16 for NVFP4 2D weights); when differentiated with a quantized wgrad,
+      concrete group sizes that are not multiples of the wgrad formats' block size. Traced misaligned group sizes
+      do not raise: that group's dw is NaN (module docstring).
     """
     recipe = resolve(recipe, "ragged_dot")
     lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
+    if recipe.quantized:  # before the other checks: one error whatever the key
+        refuse_forward_mode("jax_fp4.ragged_dot", lhs, rhs)
     _check(lhs, rhs, group_sizes, recipe)
     recipe.check_key(key, "ragged_dot", backward=False)  # (a non-key is refused under BF16 too)
+    group_sizes = clip_group_sizes(group_sizes, lhs.shape[0])  # one contract for the value and the gradient
     if not recipe.quantized:
         return lax.ragged_dot(lhs, rhs, group_sizes)
+    _blocking.check_grouped(recipe, *lhs.shape, rhs.shape[2], differentiated=False)
     return reverse_mode_only(_ragged, "jax_fp4.ragged_dot")(recipe, lhs, rhs, group_sizes, key)

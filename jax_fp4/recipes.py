@@ -161,7 +161,7 @@ def _all_variants() -> dict[str, Recipe]:
 
 
 def by_name(name: str) -> Recipe:
-    """The recipe of a name: the defaults of RECIPES (the CLI names of examples/train_lm.py) or any option variant
+    """The recipe of a name: the defaults of RECIPES (the CLI names of examples/lm/train_lm.py) or any option variant
     the factories make, so ``by_name(r.name) == r`` for every recipe of this module (e.g. "mxfp8-hybrid",
     "nvfp4-no-rht-no-sr"; the suffixes "-no-rht", "-no-2d", "-no-sr" come in that order). Case and surrounding
     white space are ignored ("MXFP8" names mxfp8); "_" may stand for "-".

@@ -2,7 +2,8 @@
 
 Routes:
   * "kernel": the `jf4_gemm` primitive (CUDA sm_90a; jax_fp4/_src/primitives/gemm.py), on compute capability 9.x
-    when the CUDA extension provides it.
+    when the CUDA extension provides it, for the pairs `kernel_formats_ok` takes: not 1x64 x non-1x64, and no
+    4over6 operand (the kernel's tensor scale is amax / 2688 only).
   * "native": `jax.nn.scaled_matmul` (cuDNN's block-scaled GEMM on compute capability >= 10; XLA's dequantize + dot
     where it lowers elsewhere), for MXFP8 x MXFP8 and NVFP4 1D x NVFP4 1D.
   * "emulated": exact block-scaled operands multiplied by `lax.dot_general` with float32 accumulation (every device).
@@ -118,10 +119,9 @@ def native_formats_ok(fa, fb) -> bool:
 def auto_takes_kernel(fa, fb) -> bool:
     """Whether implementation="auto" puts a product of formats fa x fb on `jf4_gemm` where the kernel runs.
 
-    NVFP4 1x64 pairs only: measured on an H200 (benchmarks/gemm.py, docs/performance.md "Block-scaled GEMM") the
-    kernel runs them at 159-170 TFLOP/s against the emulated route's 48-52 (a float32 GEMM of the dequantized
-    operands). MXFP8 and NVFP4 1D pairs stay emulated: the kernel's 211-312 TFLOP/s are below the emulated route's
-    cuBLAS bf16 GEMM (551-749) on the same H200.
+    NVFP4 1x64 pairs only: the kernel runs them faster than the emulated route's float32 GEMM of the dequantized
+    operands, while for MXFP8 and NVFP4 1D pairs it is slower than the emulated route's cuBLAS bf16 GEMM
+    (benchmarks/gemm.py; the measured table: docs/performance.md, "Block-scaled GEMM").
     """
     return bool(fa.local_1x64 and fb.local_1x64)
 

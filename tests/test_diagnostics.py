@@ -104,7 +104,7 @@ def test_dense_stats_match_numpy():
     v2, g2 = nnx.jit(nnx.value_and_grad(loss))(layer, jnp.asarray(x))
     assert float(value) == float(v2)
     np.testing.assert_array_equal(grads["kernel"][...], g2["kernel"][...])
-    assert not hasattr(layer, "quant_probe") and set(nnx.to_pure_dict(nnx.state(layer))) == {"kernel", "bias"}
+    assert layer.quant_probe is None and set(nnx.to_pure_dict(nnx.state(layer))) == {"kernel", "bias"}
 
 
 def test_edge_cases():

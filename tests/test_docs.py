@@ -5,12 +5,20 @@ route function and the package's names.
   the two extension modules register;
 * every path the "Layout" section names exists, and every op family folder of cpp/ is named there;
 * every row of the "GEMM routes" table is `jax_fp4.route.gemm_route`'s answer on the three devices of its columns;
-* every `jax_fp4.a.b` name in the README and docs/ resolves by attribute access from `import jax_fp4`.
+* every `jax_fp4.a.b` name in the README and docs/ resolves by attribute access from `import jax_fp4`;
+* the README's API table lists each name's parameters (format options, function signatures) as the code has them,
+  and every call written `jax_fp4.a.b(p, q)` in the README names parameters the function has, in its order;
+* the README's statements about routes (which pairs `implementation="kernel"` puts on `jf4_gemm`, which
+  implementations `dense` takes) agree with `gemm_route` and `jax_fp4.dense.IMPLEMENTATIONS`;
+* no public docstring holds a measured figure (they name docs/performance.md, where the measurements live);
+* the README's Python blocks run as written, in order, in one namespace.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+import inspect
 import pathlib
 import re
 
@@ -115,3 +123,74 @@ def test_names_in_the_docs_resolve(doc):
             _resolve(dotted)
         except AttributeError as e:
             raise AssertionError(f"{doc} names `{dotted}`, which does not resolve: {e}") from None
+
+
+def _parameters(obj) -> list[str]:
+    """A format's keyword options, or a function's / class's parameter names."""
+    if isinstance(obj, type) and issubclass(obj, jax_fp4.Format):
+        return list(obj._options)
+    return [p for p in inspect.signature(obj).parameters if p != "self"]
+
+
+def _listed(args: str) -> tuple[list[str], bool]:
+    """The parameter names of a README call "(x, fmt, *, axis, ...)" and whether it ends in "..." (a prefix)."""
+    names = [a.split("=")[0].strip() for a in args.split(",") if a.strip() not in ("", "*")]
+    return [n for n in names if n != "..."], "..." in names
+
+
+def test_api_table_lists_the_signatures():
+    rows = [line.split("|")[1] for line in _section("API").splitlines() if line.startswith("| `")]
+    assert len(rows) >= 12
+    checked = 0
+    for cell in rows:
+        for name, args in re.findall(r"`(\w+)\(([^)]*)\)", cell):
+            want = _parameters(getattr(jax_fp4, name))
+            got, prefix = _listed(args)
+            assert got == (want[:len(got)] if prefix else want), f"README API table: {name}({args}); the code: {want}"
+            checked += 1
+    assert checked >= 15
+
+
+def test_calls_in_the_readme_name_real_parameters_in_order():
+    for dotted, args in re.findall(r"`(jax_fp4(?:\.\w+)+)\(([^)`]*)\)", README):
+        got, _ = _listed(args)
+        want = _parameters(_resolve(dotted))
+        positions = [want.index(n) if n in want else -1 for n in got]
+        assert -1 not in positions and positions == sorted(positions), f"README: {dotted}({args}); the code: {want}"
+
+
+def test_route_statements():
+    routes = _section("GEMM routes")
+    sentence = re.search(r'`implementation="kernel"` puts every pair but (.*?) on `jf4_gemm`', routes, re.S)
+    assert sentence and "1×64 × non-1×64" in sentence.group(1) and "4over6" in sentence.group(1)
+    kernel = _DEVICES["compute capability 9.x with `jf4_gemm`"]
+    formats = [*_FORMATS.values(), NVFP4(use_4over6=True), NVFP4(use_4over6=True, scaling_2d=True)]
+    for fa in formats:
+        for fb in formats:
+            takes = fa.local_1x64 == fb.local_1x64 and not (fa.use_4over6 or fb.use_4over6)
+            assert (gemm_route(fa, fb, "kernel", kernel) == "kernel") == takes, (fa, fb)
+    from jax_fp4.dense import IMPLEMENTATIONS
+    dense_takes = re.search(r"`dense` takes `implementation`\s+(.*?);", README, re.S)
+    assert dense_takes and set(re.findall(r'"(\w+)"', dense_takes.group(1))) == set(IMPLEMENTATIONS)
+
+
+_MEASURED = re.compile(r"\d(\.\d+)?\s?(TFLOP|GB/s|µs|ms\b)|\d\.\d+\s?[x×]\b|\bon an? [HB]\d00\b")
+
+
+def test_docstrings_hold_no_measured_figures():
+    for path in sorted((ROOT / "jax_fp4").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node) or ""
+                m = _MEASURED.search(doc)
+                assert not m, (f"{path.relative_to(ROOT)}: {getattr(node, 'name', 'module')} docstring states a "
+                               f"measurement ({m.group(0)!r}); link docs/performance.md instead")
+
+
+def test_readme_python_blocks_run():
+    namespace: dict = {}
+    blocks = re.findall(r"^```python\n(.*?)^```", README, re.M | re.S)
+    assert len(blocks) >= 4
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"README.md python block {i}", "exec"), namespace)  # noqa: S102 - the README's own code

@@ -118,7 +118,7 @@ def _n(shape, seed):
 
 def test_multi_axis_contraction_is_quantized():
     """DenseGeneral's output projection: x[B, T, H, D] . w[H, D, N] over (H, D) == dense over K = H * D."""
-    x, w = _n((2, 16, 4, 16), 10), _n((4, 16, 32), 11)
+    x, w = _n((2, 16, 2, 32), 10), _n((2, 32, 32), 11)
     dn = (((2, 3), (0, 1)), ((), ()))
     dg = make_dot_general(MX)
     got = jax.jit(lambda x, w: dg(x, w, dn))(x, w)
@@ -249,17 +249,18 @@ def test_more_dense_general_forms(form):
     axes given out of order: each equals `jax_fp4.dense` of the flattened operands bit for bit, and differentiates."""
     dg = make_dot_general(MX)
     if form == "leading":  # x[H, D, T] . w[H, D, N] over (H, D): x.reshape(K, T).T @ w.reshape(K, N)
-        a, b, dn = _n((4, 16, 32), 21), _n((4, 16, 32), 22), (((0, 1), (0, 1)), ((), ()))
+        a, b, dn = _n((2, 32, 32), 21), _n((2, 32, 32), 22), (((0, 1), (0, 1)), ((), ()))
         want = jax_fp4.dense(a.reshape(64, 32).T, b.reshape(64, 32), recipe=MX)
     elif form == "batch":
-        a, b, dn = _n((2, 32, 4, 16), 21), _n((2, 4, 16, 32), 22), (((2, 3), (1, 2)), ((0,), (0,)))
+        a, b, dn = _n((2, 32, 2, 32), 21), _n((2, 2, 32, 32), 22), (((2, 3), (1, 2)), ((0,), (0,)))
         want = jnp.stack([jax_fp4.dense(a[i].reshape(32, 64), b[i].reshape(64, 32), recipe=MX) for i in range(2)])
     elif form == "rhs_trailing":  # w[N, H, D]
-        a, b, dn = _n((32, 4, 16), 21), _n((32, 4, 16), 22), (((1, 2), (1, 2)), ((), ()))
+        a, b, dn = _n((32, 2, 32), 21), _n((32, 2, 32), 22), (((1, 2), (1, 2)), ((), ()))
         want = jax_fp4.dense(a.reshape(32, 64), b.reshape(32, 64).T, recipe=MX)
-    else:  # x[T, D, H] contracted as (H, D) against w[H, D, N]: the pairs, not their order, define the product
-        a, b, dn = _n((32, 16, 4), 21), _n((4, 16, 32), 22), (((2, 1), (0, 1)), ((), ()))
-        want = jax_fp4.dense(jnp.swapaxes(a, 1, 2).reshape(32, 64), b.reshape(64, 32), recipe=MX)
+    else:  # x[T, H, D] contracted as (D, H) against w[D, H, N]: the pairs, not their order, define the product,
+        # K flattens in x's axis order (H, D)
+        a, b, dn = _n((32, 2, 32), 21), _n((32, 2, 32), 22), (((2, 1), (0, 1)), ((), ()))
+        want = jax_fp4.dense(a.reshape(32, 64), jnp.swapaxes(b, 0, 1).reshape(64, 32), recipe=MX)
     got = jax.jit(lambda a, b: dg(a, b, dn))(a, b)
     assert got.shape == jax.lax.dot_general(a, b, dn).shape
     np.testing.assert_array_equal(_bits(got), _bits(want))

@@ -36,8 +36,10 @@ def test_version_single_source():
 
 
 def test_changelog_top_entry_is_the_version():
+    """The top released entry is the version; an "Unreleased" entry may sit above it (changes not yet released)."""
     heads = re.findall(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), flags=re.M)
-    assert heads[0] == jax_fp4.__version__ and "0.1.0" in heads
+    released = heads[1:] if heads[0] == "Unreleased" else heads
+    assert released[0] == jax_fp4.__version__ and "0.1.0" in released and "Unreleased" not in released
 
 
 def test_env_report_on_the_cpu():

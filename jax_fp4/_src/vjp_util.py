@@ -1,11 +1,13 @@
-"""Helpers shared by the custom-VJP GEMMs (`jax_fp4.dense`, `jax_fp4.grouped_gemm`)."""
+"""Helpers shared by the custom-VJP GEMMs (`jax_fp4.dense`, `jax_fp4.grouped_gemm`) and the layers that call them."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["dtype_tag", "operand_keys", "reverse_mode_only"]
+from jax_fp4._src import jax_compat
+
+__all__ = ["dtype_tag", "operand_keys", "forward_mode_message", "refuse_forward_mode", "reverse_mode_only"]
 
 
 def operand_keys(key):
@@ -20,41 +22,32 @@ def dtype_tag(a):
     return jnp.zeros((0,), a.dtype)
 
 
-def _forward_mode(args) -> bool:
-    """Whether an argument carries a forward-mode (jax.jvp / jacfwd / hessian's outer) tracer at any level. Reverse
-    mode traces with LinearizeTracers (jax's direct linearize, the default); with it off, jax.grad traces with
-    JVPTracers too, so nothing is decided here and JAX's own error is translated instead."""
-    if not getattr(jax.config, "jax_use_direct_linearize", False):
-        return False
-    for leaf in jax.tree.leaves(args):
-        while isinstance(leaf, jax.core.Tracer):
-            kind = type(leaf).__name__
-            if kind == "JVPTracer":
-                return True
-            nxt = getattr(leaf, "primal", None) if kind == "LinearizeTracer" else (
-                getattr(leaf, "val", None) if kind == "BatchTracer" else None)
-            if nxt is None:
-                break
-            leaf = nxt
-    return False
+def forward_mode_message(where: str) -> str:
+    """The one TypeError text of forward-mode differentiation through a quantized GEMM, naming the entry point."""
+    return (f"{where} supports reverse-mode differentiation only (jax.grad, jax.vjp, jax.jacrev): its gradients are "
+            "quantized GEMMs defined by a custom VJP, which has no forward-mode rule (jax.jvp, jax.jacfwd, "
+            "jax.hessian, applying jax.linearize's function) and no second derivative. Use jax.jacrev for "
+            "Jacobians, or recipes.BF16() for higher-order derivatives")
+
+
+def refuse_forward_mode(where: str, *args) -> None:
+    """TypeError (`forward_mode_message`) when an argument carries a forward-mode tracer. Entry points call it before
+    anything else that could fail (key lookups, shape checks of the backward operands), so every recipe, key and
+    layer API gives this one error."""
+    if jax_compat.forward_mode(args):
+        raise TypeError(forward_mode_message(where))
 
 
 def reverse_mode_only(fn, where: str):
-    """`fn` (a custom_vjp function) with forward-mode differentiation refused by a TypeError that says what to use:
-    checked on the arguments before `fn` runs (so every recipe and shape gives the same error, not a shape error of
-    the backward operands first), and JAX's own forward-mode error translated where the check cannot see it."""
-    msg = (f"{where} supports reverse-mode differentiation only (jax.grad, jax.vjp, jax.jacrev): its gradients are "
-           "quantized GEMMs defined by a custom VJP, which has no forward-mode rule (jax.jvp, jax.jacfwd, "
-           "jax.hessian) and no second derivative. Use jax.jacrev for Jacobians, or recipes.BF16() for higher-order "
-           "derivatives")
-
+    """`fn` (a custom_vjp function) with forward-mode differentiation refused by `forward_mode_message`: checked on
+    the arguments before `fn` runs, and JAX's own forward-mode error translated where the check cannot see it (jax
+    without direct linearize, or a forward-mode level outside a jit that `fn` runs in)."""
     def call(*args):
-        if _forward_mode(args):
-            raise TypeError(msg)
+        refuse_forward_mode(where, *args)
         try:
             return fn(*args)
         except TypeError as e:
-            if "forward-mode" not in str(e) and "jvp" not in str(e):
+            if not jax_compat.is_custom_vjp_forward_mode_error(e):
                 raise
-            raise TypeError(msg) from None
+            raise TypeError(forward_mode_message(where)) from None
     return call

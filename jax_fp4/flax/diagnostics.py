@@ -28,9 +28,22 @@ from flax import nnx
 
 from jax_fp4.diagnostics import probe_shape
 from jax_fp4.flax.nnx import Dense
+from jax_fp4.flax.policy import layers
 from jax_fp4.policy import path_str
 
 __all__ = ["QuantProbe", "instrument", "uninstrument", "value_and_grad"]
+
+
+def _nothing_to_instrument(model) -> ValueError:
+    others = [p for p, node in layers(model, drop_in=True).items() if not isinstance(node, Dense)]
+    shown = ", ".join(repr(p) for p in others[:4]) + (" ..." if len(others) > 4 else "")
+    return ValueError(
+        f"jax_fp4.flax.diagnostics.value_and_grad: {type(model).__name__} has no jax_fp4.flax.nnx.Dense layer, the "
+        "only layer the statistics are recorded from"
+        + (f"; its layers {shown} (drop-in dot_generals / einsum ops, MoE experts) are not instrumented" if others
+           else "")
+        + ". Build the quantized layers as jax_fp4.flax.nnx.Dense / LayerNormDense / LayerNormMLP, or record own "
+        "GEMMs with jax_fp4.diagnostics.dense")
 
 
 class QuantProbe(nnx.Variable):
@@ -38,7 +51,8 @@ class QuantProbe(nnx.Variable):
 
 
 def instrument(model) -> list[str]:
-    """Give every jax_fp4 `Dense` of `model` a zero `QuantProbe` (``layer.quant_probe``); returns their paths."""
+    """Set the ``quant_probe`` of every jax_fp4 `Dense` of `model` (declared by the layer, None otherwise) to a zero
+    `QuantProbe`; returns their paths."""
     paths = []
     for path, node in nnx.iter_graph(model):
         if isinstance(node, Dense):
@@ -51,8 +65,8 @@ def instrument(model) -> list[str]:
 def uninstrument(model) -> None:
     """Remove the probes `instrument` added."""
     for _, node in nnx.iter_graph(model):
-        if isinstance(node, Dense) and getattr(node, "quant_probe", None) is not None:
-            del node.quant_probe
+        if isinstance(node, Dense) and node.quant_probe is not None:
+            node.quant_probe = nnx.data(None)
 
 
 def value_and_grad(f, *, has_aux: bool = False):
@@ -62,10 +76,17 @@ def value_and_grad(f, *, has_aux: bool = False):
     Returns a function (model, *args, **kwargs) -> (value, grads, stats): value as nnx.value_and_grad's (with the aux
     when has_aux), grads the `nnx.Param` gradients (an nnx.State, as nnx.value_and_grad gives), stats {layer path:
     float32 [..., 6, 6]}. The model is instrumented for the call and restored afterwards.
+
+    Raises:
+      ValueError: the model has no `jax_fp4.flax.nnx.Dense` (alone or in LayerNormDense / LayerNormMLP), so there
+      is nothing to record; the message names its drop-in layers (`make_dot_general`, `policy.apply(...,
+      drop_in=True)`) and MoE layers, which are not instrumented, and the fix.
     """
 
     def wrapped(model, *args, **kwargs):
         paths = instrument(model)
+        if not paths:  # statistics would be silently empty
+            raise _nothing_to_instrument(model)
         try:
             diff = nnx.DiffState(0, nnx.Any(nnx.Param, QuantProbe))
             value, grads = nnx.value_and_grad(f, argnums=diff, has_aux=has_aux)(model, *args, **kwargs)

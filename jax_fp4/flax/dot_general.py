@@ -20,7 +20,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jax_fp4._src import jax_compat
 from jax_fp4._src.dimension_numbers import canonical_dimension_numbers
+from jax_fp4._src.vjp_util import refuse_forward_mode
 from jax_fp4.blocking import BlockingError
 from jax_fp4.dense import dot_general as _fp4_dot_general
 from jax_fp4.flax.layer_path import calling_layer_path
@@ -52,13 +54,9 @@ def _unquantized_reason(lhs, rhs, dn):
 def _linen_key(rng_collection):
     """A fresh key from the innermost bound Linen module's `rng_collection` stream, or None (no Linen module, or
     no such stream)."""
-    try:
-        from flax.errors import InvalidRngError
-        from flax.linen.module import _context
-    except ImportError:  # pragma: no cover - a flax without Linen's module context
-        return None
-    stack = getattr(_context, "module_stack", None)
-    module = stack[-1] if stack else None
+    from flax.errors import InvalidRngError
+
+    module = jax_compat.current_linen_module()
     if module is None or getattr(module, "scope", None) is None:
         return None
     try:
@@ -131,7 +129,14 @@ def make_dot_general(recipe, key=None, *, strict: bool = False, rng_collection: 
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None,
                     *, key=None, **kwargs):
+        if isinstance(lhs, str):  # called as an einsum op: nnx.Einsum(einsum_op=make_dot_general(...))
+            raise TypeError(f"make_dot_general({recipe.name}) was called as an einsum op (subscripts {lhs!r}): "
+                            "it is a lax.dot_general drop-in. For nnx.Einsum use "
+                            f"einsum_op=jax_fp4.flax.einsum.make_einsum({recipe.name!r}); in Linen, "
+                            "jax_fp4.flax.linen.Einsum")
         check_key(key, f"make_dot_general({recipe.name})")  # (a non-key is refused on every path)
+        if recipe.quantized:  # before the key source is asked: one error whatever the keys
+            refuse_forward_mode(f"make_dot_general({recipe.name})", lhs, rhs)
         dn = canonical_dimension_numbers(dimension_numbers, jnp.ndim(lhs), jnp.ndim(rhs))
         reason = None if recipe.quantized else "bf16"
         if reason is None:

@@ -6,10 +6,15 @@ contraction exactly as `jax_fp4.dot_general` with the same dimension numbers wou
 transposes / reshapes around the call). `make_einsum` packages that with the key handling of the Flax drop-ins:
 
   * ``nnx.Einsum(..., einsum_op=make_einsum(recipe))`` (NNX's Einsum takes an einsum op);
-  * in Linen, call ``make_einsum(recipe)(subscripts, x, w)`` inside a module: keys come from its "quantize" rng
-    collection (``apply(..., rngs={"quantize": key})``); ``flax.linen.Einsum`` takes neither an einsum op nor a
-    dot_general, so it cannot be quantized in place;
+  * in Linen, `jax_fp4.flax.linen.Einsum` (``flax.linen.Einsum`` with a ``recipe``; flax's own takes neither an
+    einsum op nor a dot_general), or ``make_einsum(recipe)(subscripts, x, w)`` inside a module: keys come from its
+    "quantize" rng collection (``apply(..., rngs={"quantize": key})``);
   * plain JAX: ``make_einsum(recipe)(subscripts, x, w, key=key)``.
+
+Contractions over several axes flatten them into K in x's axis order (`jax_fp4.dot_general`), whatever order
+`jnp.einsum` lists them in: every block lies within x's last contracted axis, whose size must be a multiple of the
+recipe's K block (BlockingError otherwise). `make_dot_general`
+given as an einsum op raises TypeError naming `make_einsum`.
 
 `jnp.einsum` runs its contractions inside its own `jax.jit` trace, so the key of a call is drawn *before* it (from
 ``key=``, the key source, or the Linen collection) and every contraction of that call uses it.
@@ -21,16 +26,24 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_fp4._src import jax_compat
+from jax_fp4._src.vjp_util import forward_mode_message, refuse_forward_mode
 from jax_fp4.flax.dot_general import _linen_key, make_dot_general
 from jax_fp4.flax.nnx_layers import draw_key
 from jax_fp4.recipes import resolve
+from jax_fp4.validation import check_key
 
 __all__ = ["make_einsum", "StreamEinsum"]
 
 
 def _einsum(recipe, strict, rng_collection, subscripts, operands, key, kwargs):
     dg = make_dot_general(recipe, key=key, strict=strict, rng_collection=rng_collection)
-    return jnp.einsum(subscripts, *operands, _dot_general=dg, **kwargs)
+    try:
+        return jnp.einsum(subscripts, *operands, _dot_general=dg, **kwargs)
+    except TypeError as e:  # a forward-mode level outside jnp.einsum's own jit, which refuse_forward_mode cannot see
+        if not jax_compat.is_custom_vjp_forward_mode_error(e):
+            raise
+        raise TypeError(forward_mode_message(f"make_einsum({recipe.name})")) from None
 
 
 def make_einsum(recipe, key=None, *, strict: bool = False, rng_collection: str = "quantize"):
@@ -58,11 +71,16 @@ def make_einsum(recipe, key=None, *, strict: bool = False, rng_collection: str =
     recipe = resolve(recipe, "make_einsum")
     if isinstance(key, (nnx.RngStream, nnx.Rngs)):
         return StreamEinsum(recipe, key, strict=strict, rng_collection=rng_collection)
+    if isinstance(key, jax.Array):
+        check_key(key, "make_einsum")
     if key is not None and not callable(key) and not isinstance(key, jax.Array):
         raise TypeError(f"make_einsum: key must be None, a PRNG key, an nnx.RngStream / nnx.Rngs or a callable "
                         f"returning a key, got {type(key).__name__}")
 
     def einsum(subscripts, *operands, key=None, **kwargs):
+        check_key(key, f"make_einsum({recipe.name})")
+        if recipe.quantized:  # before the key source is asked: one error whatever the keys
+            refuse_forward_mode(f"make_einsum({recipe.name})", operands)
         k = key
         if k is None and recipe.needs_key:
             k = key_source() if callable(key_source) else key_source
@@ -88,6 +106,7 @@ class StreamEinsum(nnx.Module):
         self.rng_collection = rng_collection
 
     def __call__(self, subscripts, *operands, key=None, **kwargs):
+        check_key(key, f"make_einsum({self.recipe.name})")
         if key is None and self.recipe.quantized:
             key = draw_key(self.recipe, self.source, self.rng_collection, operands, "make_einsum")
         return _einsum(self.recipe, self.strict, self.rng_collection, subscripts, operands, key, kwargs)

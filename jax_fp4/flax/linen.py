@@ -1,4 +1,4 @@
-"""Flax Linen layers whose GEMMs follow a jax_fp4 `Recipe`: `Dense`, `LayerNormDense`, `LayerNormMLP`.
+"""Flax Linen layers whose GEMMs follow a jax_fp4 `Recipe`: `Dense`, `LayerNormDense`, `LayerNormMLP`, `Einsum`.
 
 The Linen counterparts of `jax_fp4.flax.nnx`, with the same numerics and parameter trees::
 
@@ -22,14 +22,16 @@ import jax.numpy as jnp
 from flax.errors import InvalidRngError
 from flax.linen.dtypes import promote_dtype
 
+from jax_fp4._src.vjp_util import refuse_forward_mode
 from jax_fp4.blocking import BlockingError
 from jax_fp4.dense import dense
+from jax_fp4.flax.einsum import make_einsum
 from jax_fp4.flax.layer_path import linen_path
 from jax_fp4.flax.nnx_layers import differentiated
 from jax_fp4.policy import Policy
 from jax_fp4.recipes import Recipe, resolve
 
-__all__ = ["Dense", "LayerNormDense", "LayerNormMLP"]
+__all__ = ["Dense", "LayerNormDense", "LayerNormMLP", "Einsum"]
 
 default_kernel_init = nn.initializers.lecun_normal()
 ACTIVATIONS = ("gelu", "swiglu")
@@ -86,6 +88,8 @@ class Dense(nn.Module):
         kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        if recipe.quantized:  # before the rng lookup: one error whatever the rngs
+            refuse_forward_mode("jax_fp4.flax.linen.Dense", inputs, kernel, bias)
         key = None
         if recipe.needs_key:
             try:
@@ -174,3 +178,53 @@ class LayerNormMLP(nn.Module):
         else:
             h = jax.nn.gelu(h)
         return Dense(out, self.recipe, name="down", **kw)(h)
+
+
+class Einsum(nn.Einsum):
+    """`flax.linen.Einsum` whose contraction follows `recipe` (`jax_fp4.flax.einsum.make_einsum`): same attributes,
+    parameters ({kernel: shape, bias}) and call, plus ``recipe`` and ``rng_collection``.
+
+    Attributes:
+      shape, einsum_str, use_bias, dtype, param_dtype, kernel_init, bias_init, promote_dtype,
+        preferred_element_type: as `flax.linen.Einsum` (``precision`` applies to BF16 only: a quantized contraction's
+        operand formats are the recipe's).
+      recipe: a `jax_fp4.recipes.Recipe`, its name, or a `jax_fp4.policy.Policy` (resolved from ``self.path``).
+      rng_collection: the rng stream of the stochastic-rounding keys (default "quantize"; ``apply(...,
+        rngs={"quantize": key})``).
+
+    Call: ``module.apply(variables, x, einsum_str=None)``; two operands (x and the kernel), the contraction as
+    `jax_fp4.dot_general` computes it: the contracted axes flatten into K, whose blocks lie within the last
+    contracted axis (BlockingError otherwise, naming the layer), the free axes into M and N. BF16 computes what
+    `flax.linen.Einsum` computes.
+    """
+
+    recipe: Recipe | Policy | None = None
+    rng_collection: str = "quantize"
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array, einsum_str: str | None = None) -> jax.Array:
+        if self.recipe is None:
+            raise TypeError("jax_fp4.flax.linen.Einsum: give recipe= (a Recipe, its name or a Policy)")
+        recipe = self.recipe.resolve(self.path) if isinstance(self.recipe, Policy) else resolve(
+            self.recipe, "jax_fp4.flax.linen.Einsum")
+        if (self.einsum_str is None) == (einsum_str is None):
+            raise ValueError("jax_fp4.flax.linen.Einsum: give einsum_str to the constructor or to the call, not both")
+        einsum_str = (self.einsum_str if einsum_str is None else einsum_str).replace(" ", "")
+        if "->" not in einsum_str or einsum_str.count(",") != 1:
+            raise ValueError(f"jax_fp4.flax.linen.Einsum: einsum_str {einsum_str!r} must be explicit (\"->\") with "
+                             "exactly two operands (x and the kernel)")
+        kernel = self.param("kernel", self.kernel_init, self.shape, self.param_dtype)
+        bias = None
+        if self.use_bias:
+            bias_shape, broadcast_shape = self._get_bias_shape(einsum_str, inputs, kernel)
+            bias = self.param("bias", self.bias_init, bias_shape, self.param_dtype)
+        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        if recipe.quantized:
+            refuse_forward_mode("jax_fp4.flax.linen.Einsum", inputs, kernel)
+        try:
+            y = make_einsum(recipe, rng_collection=self.rng_collection)(
+                einsum_str, inputs, kernel, precision=self.precision,
+                preferred_element_type=self.preferred_element_type)
+        except BlockingError as e:
+            raise e.with_layer(linen_path(self)) from None
+        return y if bias is None else y + jnp.reshape(bias, broadcast_shape)

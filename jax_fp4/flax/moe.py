@@ -33,6 +33,8 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes, initializers
 
+from jax_fp4.blocking import BlockingError
+from jax_fp4.flax.layer_path import nnx_path
 from jax_fp4.flax.nnx_layers import RngsLike, check_recipe, make_norm, quantize_key, quantize_stream, split_rngs
 from jax_fp4.grouped_gemm import ragged_dot
 from jax_fp4.recipes import Recipe
@@ -106,8 +108,9 @@ class MoEMLP(nnx.Module):
     Call: ``layer(x, *, rngs=None, return_aux_loss=False)``, x [..., D] -> [..., out] (and the float32 auxiliary
     load-balancing loss when asked). T = prod(x.shape[:-1]) tokens; the expert buffers hold C rows (above).
 
-    Constraints (ValueError at trace time): D, hidden and out multiples of the recipe's blocks (32 for MXFP8, 16 for
-    NVFP4), 1 <= top_k <= E.
+    Constraints (at trace time): D, hidden and out multiples of the recipe's blocks (32 for MXFP8, 16 for NVFP4):
+    `jax_fp4.blocking.BlockingError` naming the projection (up / down), the operand role, the layer's module path
+    ("blocks/0/moe") and the fixes; 1 <= top_k <= E (ValueError).
     """
 
     def __init__(self, in_features: int, hidden_features: int, num_experts: int, out_features: int | None = None, *,
@@ -146,6 +149,14 @@ class MoEMLP(nnx.Module):
         top_p, top_e = jax.lax.top_k(probs, self.top_k)
         return probs, top_p / jnp.sum(top_p, axis=-1, keepdims=True), top_e.astype(jnp.int32)
 
+    def _expert_gemm(self, name, xs, w, sizes, key):
+        """`ragged_dot` of projection `name` ("up" / "down"); a BlockingError names the projection's module path."""
+        try:
+            return ragged_dot(xs, w, sizes, recipe=self.recipe, key=key)
+        except BlockingError as e:  # the policy unit is the MoE layer; the message names the projection
+            raise e.with_layer(nnx_path(self) or type(self).__name__,
+                               f"jax_fp4.flax.moe.MoEMLP, {name} projection (jax_fp4.ragged_dot)") from None
+
     def __call__(self, x: jax.Array, *, rngs: RngsLike = None, return_aux_loss: bool = False):
         lead, d = x.shape[:-1], x.shape[-1]
         h = self.norm(x) if self.norm is not None else x
@@ -161,13 +172,13 @@ class MoEMLP(nnx.Module):
         src = jnp.full((capacity,), t, jnp.int32).at[rows.reshape(-1)].set(
             jnp.repeat(jnp.arange(t, dtype=jnp.int32), self.top_k))
         xs = jnp.concatenate([x2, jnp.zeros((1, d), x2.dtype)])[src]
-        hid = ragged_dot(xs, up, sizes, recipe=self.recipe, key=k_up)
+        hid = self._expert_gemm("up", xs, up, sizes, k_up)
         if self.activation == "swiglu":
             gate, linear = jnp.split(hid, 2, axis=-1)
             hid = jax.nn.silu(gate) * linear
         else:
             hid = jax.nn.gelu(hid)
-        out = ragged_dot(hid, down, sizes, recipe=self.recipe, key=k_down)  # [C, out]
+        out = self._expert_gemm("down", hid, down, sizes, k_down)  # [C, out]
         y = jnp.einsum("tk,tko->to", weights, out[rows].astype(jnp.float32)).astype(out.dtype)
         y = y.reshape(*lead, self.out_features)
         if not return_aux_loss:

@@ -110,12 +110,14 @@ class Dense(nnx.Module):
         self.promote_dtype = promote_dtype
         self.rng_collection = rng_collection
         self.rngs: nnx.RngStream | None = quantize_stream(recipe, rngs, rng_collection, "jax_fp4.flax.nnx.Dense")
+        # a diagnostics probe (jax_fp4.flax.diagnostics.instrument sets it for one step; None: none, no state)
+        self.quant_probe: nnx.Variable | None = nnx.data(None)
 
     def __call__(self, x: jax.Array, *, rngs: RngsLike = None, x_amax: jax.Array | None = None) -> jax.Array:
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         x, kernel, bias = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
-        probe = getattr(self, "quant_probe", None)  # set by jax_fp4.flax.diagnostics.instrument
+        probe = self.quant_probe  # set by jax_fp4.flax.diagnostics.instrument
         try:
             if probe is not None:
                 return _diagnostics.dense(x, kernel, bias, recipe=self.recipe,
@@ -140,7 +142,8 @@ class LayerNormDense(nnx.Module):
 
     Call: ``layer(x, *, rngs=None)``, x [..., K] -> [..., N]. The dense layer runs its own tensor-amax pass over the
     norm's output: handing it ``jnp.max(jnp.abs(y))`` from the norm's XLA fusion instead (``x_amax``) keeps the bits
-    but measured slower for nvfp4-fwd-mxfp8-bwd on an H100 (benchmarks/layer_amax.py, docs/performance.md).
+    but was slower for nvfp4-fwd-mxfp8-bwd where measured (benchmarks/layer_amax.py; docs/performance.md, "Tensor
+    amax from the producer").
     """
 
     def __init__(self, in_features: int, out_features: int, *, recipe: Recipe, norm: str = "layernorm",

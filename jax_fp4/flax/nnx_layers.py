@@ -9,9 +9,12 @@ import jax
 from flax import nnx
 from flax.errors import TraceContextError
 
+from jax_fp4._src import jax_compat
+from jax_fp4._src.vjp_util import refuse_forward_mode
 from jax_fp4.recipes import Recipe, resolve
+from jax_fp4.validation import check_key
 
-__all__ = ["NORMS", "RngsLike", "check_recipe", "differentiated", "draw_key", "make_norm", "quantize_key",
+__all__ = ["NORMS", "RngsLike", "check_recipe", "check_rngs", "differentiated", "draw_key", "make_norm", "quantize_key",
            "quantize_stream", "split_rngs"]
 
 NORMS = ("layernorm", "rmsnorm")
@@ -64,18 +67,20 @@ def differentiated(*operands) -> bool | None:
     """Whether a call on `operands` (arrays / pytrees) is being differentiated: True when one of them carries a
     reverse- or forward-mode tracer (jax.grad, nnx.grad, jax.vjp, jax.jvp), False when none is traced at all (an
     eager call), None when that cannot be told (traced by jax.jit / nnx.jit only, which may sit inside a grad)."""
-    unknown = False
-    for leaf in jax.tree.leaves(operands):
-        while isinstance(leaf, jax.core.Tracer):
-            kind = type(leaf).__name__
-            if kind in ("JVPTracer", "LinearizeTracer"):
-                return True
-            if kind == "BatchTracer":
-                leaf = leaf.val
-                continue
-            unknown = True
-            break
-    return None if unknown else False
+    mode = jax_compat.autodiff_mode(operands)
+    return None if mode == "unknown" else mode is not None
+
+
+def check_rngs(rngs, where: str) -> None:
+    """TypeError naming `where` unless `rngs` is None, an ``nnx.Rngs``, an ``nnx.RngStream`` or a JAX PRNG key.
+    Checked on every call, whether or not the recipe rounds stochastically, so a wrong argument is never silently
+    ignored."""
+    if rngs is None or isinstance(rngs, (nnx.Rngs, nnx.RngStream)):
+        return
+    if not isinstance(rngs, jax.Array):
+        raise TypeError(f"{where}: rngs must be None, an nnx.Rngs, an nnx.RngStream or a JAX PRNG key "
+                        f"(jax.random.key(seed)), got {type(rngs).__name__} {rngs!r}")
+    check_key(rngs, where)
 
 
 def draw_key(recipe: Recipe, source, rng_collection: str, operands, where: str):
@@ -89,6 +94,8 @@ def draw_key(recipe: Recipe, source, rng_collection: str, operands, where: str):
     pass the model through the nnx transforms (nnx.jit / nnx.grad / nnx.scan, which carry the stream as state) or
     a key (``rngs=key``).
     """
+    if recipe.quantized:  # before any key lookup: one error whatever the keys
+        refuse_forward_mode(where, operands)
     if not recipe.needs_key:
         return None
     if isinstance(source, jax.Array):
@@ -116,11 +123,17 @@ def quantize_key(layer, rngs: RngsLike, operands=()):
     """The stochastic-rounding key of one call of `layer` (a module with ``recipe``, ``rngs`` from `quantize_stream`
     and ``rng_collection``) on `operands` (x, kernel, ...): `draw_key` from the call's `rngs` (Rngs, RngStream or a
     key), or from the layer's own stream when `rngs` is None. None when the recipe needs none, and for forward-only
-    calls whose fprop rounds deterministically (the stream is left alone, see `draw_key`)."""
+    calls whose fprop rounds deterministically (the stream is left alone, see `draw_key`).
+
+    Raises TypeError for `rngs` of another type (`check_rngs`, whatever the recipe) and for forward-mode
+    differentiation (`jax_fp4._src.vjp_util.refuse_forward_mode`: checked before the key is looked up)."""
+    where = f"{type(layer).__module__}.{type(layer).__qualname__}"
+    check_rngs(rngs, where)
+    if layer.recipe.quantized:
+        refuse_forward_mode(where, operands)
     if not layer.recipe.needs_key:
         return None
-    return draw_key(layer.recipe, layer.rngs if rngs is None else rngs, layer.rng_collection, operands,
-                    type(layer).__name__)
+    return draw_key(layer.recipe, layer.rngs if rngs is None else rngs, layer.rng_collection, operands, where)
 
 
 def make_norm(kind, num_features, epsilon, dtype, param_dtype, rngs):

@@ -8,9 +8,13 @@ resolve as those blocks' layers ("blocks/0/mlp/up", "blocks/1/mlp/up"), which mu
   * jax_fp4 layers with a recipe: `jax_fp4.flax.nnx.Dense` (also inside LayerNormDense / LayerNormMLP) and
     `jax_fp4.flax.moe.MoEMLP`; `apply` sets their ``recipe`` (a static attribute: the module definition changes, the
     state does not, so `nnx.split` gives a new graphdef and the same state);
-  * with ``drop_in=True``, existing Flax layers with a ``dot_general`` attribute (`nnx.Linear`, `nnx.LinearGeneral`,
-    ...): `apply` sets it to a drop-in dot_general of the recipe (`jax_fp4.flax.make_dot_general`; BF16 is plain
-    `lax.dot_general`). Only layers that some rule or the default reaches are changed.
+  * with ``drop_in=True``, existing Flax layers with a ``dot_general`` attribute (`nnx.Linear`, `nnx.LinearGeneral`
+    without a ``dot_general_cls``, the projections of `nnx.MultiHeadAttention`, ...): `apply` sets it to a drop-in
+    dot_general of the recipe (`jax_fp4.flax.make_dot_general`; BF16 is plain `lax.dot_general`), and `nnx.Einsum`'s
+    ``einsum_op`` to `jax_fp4.flax.einsum.make_einsum`'s. Only layers that some rule or the default reaches are
+    changed; layers inside a jax_fp4 layer (MoEMLP's router, never quantized) are not candidates.
+A model with no quantizable layer raises ValueError in `assignments`, `apply` and `describe` ("pass drop_in=True"
+when it has drop-in layers only), rather than leaving it in full precision without a word.
 
 Linen: pass the Policy as the ``recipe`` of `jax_fp4.flax.linen` layers (each resolves its recipe from its own
 ``self.path`` when traced), and use `linen_dot_general(policy)` as the ``dot_general`` of existing Linen layers
@@ -31,13 +35,15 @@ from flax import nnx
 
 from jax_fp4.blocking import layer_note
 from jax_fp4.flax import make_dot_general
+from jax_fp4.flax.einsum import make_einsum
 from jax_fp4.flax.moe import MoEMLP, group_alignment
 from jax_fp4.flax.nnx import Dense
 from jax_fp4.flax.nnx_layers import quantize_stream
 from jax_fp4.policy import Policy, format_table, path_str, recording
 from jax_fp4.recipes import Recipe
 
-__all__ = ["apply", "assignments", "describe", "layers", "policy_paths", "PolicyDotGeneral", "linen_dot_general",
+__all__ = ["apply", "assignments", "describe", "layers", "policy_paths", "PolicyDotGeneral", "PolicyEinsum",
+           "linen_dot_general",
            "linen_module_paths", "describe_linen"]
 
 
@@ -52,28 +58,67 @@ class PolicyDotGeneral:
         return make_dot_general(self.recipe)(*args, **kwargs)
 
 
+@dataclasses.dataclass(frozen=True)
+class PolicyEinsum:
+    """A hashable drop-in ``einsum_op`` of one recipe (`make_einsum(recipe)` per call) for `nnx.Einsum`."""
+
+    recipe: Recipe
+
+    def __call__(self, *args, **kwargs):
+        return make_einsum(self.recipe)(*args, **kwargs)
+
+
 def _is_fp4_layer(node) -> bool:
     return isinstance(node, (Dense, MoEMLP))
 
 
+def _drop_in_attr(node) -> str | None:
+    """The attribute a drop-in sets on `node`: "dot_general" (`nnx.Linear`, `nnx.LinearGeneral` without a
+    ``dot_general_cls``, and other modules with a callable ``dot_general``), "einsum_op" (`nnx.Einsum`), or None."""
+    if not isinstance(node, nnx.Module) or _is_fp4_layer(node):
+        return None
+    if isinstance(node, nnx.Einsum) or callable(getattr(node, "einsum_op", None)):
+        return "einsum_op"
+    if isinstance(node, nnx.LinearGeneral):
+        return "dot_general" if getattr(node, "dot_general_cls", None) is None else None
+    return "dot_general" if callable(getattr(node, "dot_general", None)) else None
+
+
 def _is_drop_in(node) -> bool:
-    return isinstance(node, nnx.Module) and not _is_fp4_layer(node) and callable(getattr(node, "dot_general", None))
+    return _drop_in_attr(node) is not None
 
 
 def _current(node) -> Recipe | None:
     if _is_fp4_layer(node):
         return node.recipe
-    dg = node.dot_general
-    return dg.recipe if isinstance(getattr(dg, "recipe", None), Recipe) else None
+    fn = getattr(node, _drop_in_attr(node))
+    return fn.recipe if isinstance(getattr(fn, "recipe", None), Recipe) else None
 
 
 def layers(model, *, drop_in: bool = False) -> dict[str, nnx.Module]:
-    """{path: layer} of the quantizable layers of an NNX model (see the module docstring), in graph order."""
+    """{path: layer} of the quantizable layers of an NNX model (see the module docstring), in graph order. Layers
+    inside a jax_fp4 layer (MoEMLP's router) are the jax_fp4 layer's business and never drop-in candidates."""
+    nodes = [(path_str(path), node) for path, node in nnx.iter_graph(model)]
+    owners = [p for p, node in nodes if _is_fp4_layer(node)]
     found = {}
-    for path, node in nnx.iter_graph(model):
-        if _is_fp4_layer(node) or (drop_in and _is_drop_in(node)):
-            found[path_str(path)] = node
-    return found
+    for p, node in nodes:
+        inside = any(p.startswith(o + "/") or o == "" for o in owners if o != p)
+        if _is_fp4_layer(node) or (drop_in and _is_drop_in(node) and not inside):
+            found[p] = node
+    return {p: found[p] for p, _ in nodes if p in found}
+
+
+def _nothing_to_act_on(model, drop_in: bool, what: str):
+    """ValueError saying why `what` finds no quantizable layer in `model`, and the fix."""
+    candidates = [] if drop_in else list(layers(model, drop_in=True))
+    if candidates:
+        shown = ", ".join(repr(p) for p in candidates[:4]) + (" ..." if len(candidates) > 4 else "")
+        return ValueError(f"{what}: {type(model).__name__} has no jax_fp4 layer; its {len(candidates)} layers "
+                          f"with a dot_general / einsum_op ({shown}) are quantized only as drop-ins: pass "
+                          "drop_in=True")
+    return ValueError(f"{what}: {type(model).__name__} has no quantizable layer (jax_fp4.flax.nnx.Dense / "
+                      "LayerNormDense / LayerNormMLP, jax_fp4.flax.moe.MoEMLP, or with drop_in=True nnx.Linear / "
+                      "nnx.LinearGeneral / nnx.Einsum and other modules with a dot_general)")
 
 
 def policy_paths(path: str, stacks=None) -> list[str]:
@@ -102,13 +147,21 @@ def assignments(policy: Policy, model, *, drop_in: bool = False, check: bool = T
 
     Raises:
       UnmatchedRuleError (check=True): a rule matches no quantizable layer (stacked layers count as their blocks').
-      ValueError: a stacked layer's blocks get different recipes.
+      ValueError: a stacked layer's blocks get different recipes; the model has no quantizable layer (the message
+      says "pass drop_in=True" when only drop-in layers, e.g. nnx.Linear, are there). `apply` and `describe` raise
+      the same.
     """
-    found = layers(model, drop_in=drop_in)
+    return _assign(policy, model, layers(model, drop_in=drop_in), drop_in=drop_in, check=check, stacks=stacks)
+
+
+def _assign(policy: Policy, model, found: dict, *, drop_in: bool, check: bool, stacks) -> dict[str, Recipe | None]:
+    """`assignments` over the layers `found` (one walk of the model, shared with `apply` and `describe`)."""
     names = {p: policy_paths(p, stacks) for p in found}
     if check:
         policy.check([q for qs in names.values() for q in qs],
                      "the model" + ("" if drop_in else " (layers with a dot_general count with drop_in=True)"))
+    if not found:  # a policy that would silently leave the model in full precision
+        raise _nothing_to_act_on(model, drop_in, "jax_fp4.flax.policy")
     out = {}
     for p, node in found.items():
         if _is_fp4_layer(node):
@@ -139,21 +192,21 @@ def apply(policy: Policy, model, *, drop_in: bool = False, rngs: nnx.Rngs | None
       ValueError: a layer's new recipe needs a stochastic-rounding key, the layer has no stream and `rngs` is None
         (or the layer is a scanned / vmapped stack, whose stream must be stacked: build it with such a recipe).
     """
-    out = assignments(policy, model, drop_in=drop_in, check=check, stacks=stacks)
     found = layers(model, drop_in=drop_in)
+    out = _assign(policy, model, found, drop_in=drop_in, check=check, stacks=stacks)
     for p, recipe in out.items():
         node = found[p]
         if recipe is None:
             continue
         if not _is_fp4_layer(node):
             if recipe != _current(node):
-                node.dot_general = PolicyDotGeneral(recipe)
+                attr = _drop_in_attr(node)
+                setattr(node, attr, (PolicyEinsum if attr == "einsum_op" else PolicyDotGeneral)(recipe))
             continue
         if recipe == node.recipe:
             continue
         if recipe.needs_key and node.rngs is None:
-            stacked = (node.kernel if isinstance(node, Dense) else node.up.kernel).ndim > (2 if isinstance(
-                node, Dense) else 3)
+            stacked = _stack_axes(node) > 0
             if rngs is None or stacked:
                 raise ValueError(f"policy.apply: layer {p!r} gets recipe {recipe.name!r}, which uses stochastic "
                                  "rounding, but was built with a deterministic recipe (no rng stream); "
@@ -164,6 +217,14 @@ def apply(policy: Policy, model, *, drop_in: bool = False, rngs: nnx.Rngs | None
             node.alignment = math.lcm(node.alignment, group_alignment(recipe))
         node.recipe = recipe
     return out
+
+
+def _stack_axes(node) -> int:
+    """How many leading axes a jax_fp4 layer's weights carry beyond its own (a layer of a scanned / vmapped stack
+    holds one weight per block): `Dense`'s kernel is [in, out], `MoEMLP`'s expert kernels [E, in, out]."""
+    if isinstance(node, Dense):
+        return node.kernel[...].ndim - 2
+    return node.up.kernel[...].ndim - 3
 
 
 def _rule_name(policy: Policy, path: str, recipe, stacks=None) -> str:
@@ -178,8 +239,8 @@ def _rule_name(policy: Policy, path: str, recipe, stacks=None) -> str:
 def describe(policy: Policy, model, *, drop_in: bool = False, check: bool = True, stacks=None) -> str:
     """The layer -> recipe table of `policy` on an NNX model (and the rule that decided each layer; a stacked
     layer's: that of its first block)."""
-    out = assignments(policy, model, drop_in=drop_in, check=check, stacks=stacks)
     found = layers(model, drop_in=drop_in)
+    out = _assign(policy, model, found, drop_in=drop_in, check=check, stacks=stacks)
     return format_table((p, "-" if r is None else r.name, _rule_name(policy, p, r, stacks) + _block_note(found[p], r))
                         for p, r in out.items())
 
@@ -241,7 +302,7 @@ def describe_linen(policy: Policy, module, *args, check: bool = True, **kwargs) 
     recipe, and layers using `linen_dot_general(policy)`), from an abstract ``module.init(key, *args, **kwargs)``.
 
     Raises:
-      UnmatchedRuleError (check=True): a rule matches no layer.
+      UnmatchedRuleError (check=True): a rule matches no layer. ValueError: no layer takes the policy.
     """
     with recording() as found, linen_module_paths():
         jax.eval_shape(lambda: module.init(jax.random.key(0), *args, **kwargs))
@@ -249,6 +310,10 @@ def describe_linen(policy: Policy, module, *args, check: bool = True, **kwargs) 
     for pol, p, r in found:
         if pol == policy:
             seen.setdefault(p, r)
+    if not seen:  # the policy reaches no layer: the model would train in full precision without a word
+        raise ValueError(f"describe_linen: no layer of {type(module).__name__} takes the policy: pass it as the "
+                         "recipe of jax_fp4.flax.linen layers (Dense, LayerNormDense, LayerNormMLP, Einsum), or use "
+                         "dot_general=jax_fp4.flax.policy.linen_dot_general(policy) in existing Linen layers")
     if check:
         policy.check(seen, f"{type(module).__name__}")
     return format_table((p, r.name, _rule_name(policy, p, r)) for p, r in seen.items())

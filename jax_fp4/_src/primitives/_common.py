@@ -6,13 +6,12 @@ from functools import partial
 
 import jax
 
+from jax_fp4._src import jax_compat
+
 
 def def_impl(prim) -> None:
-    """Eager rule: compile the primitive alone (jax.interpreters.xla.apply_primitive on jax 0.10-0.12)."""
-    try:
-        from jax.interpreters.xla import apply_primitive
-    except ImportError:  # pragma: no cover - a jax that drops it
-        apply_primitive = None
+    """Eager rule: compile the primitive alone (`jax_compat.apply_primitive`: jax's own, on jax 0.10-0.12)."""
+    apply_primitive = jax_compat.apply_primitive()
     if apply_primitive is not None:
         prim.def_impl(partial(apply_primitive, prim))
     else:  # pragma: no cover

@@ -47,6 +47,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jax_fp4._src import ffi as _ffi
+from jax_fp4._src.emulation.product import cpu_narrow_dot_guard, exact_product  # noqa: F401 - re-exported
 from jax_fp4._src.ffi_codes import GemmFlag
 from jax_fp4._src.primitives import partitioning_gemm
 from jax_fp4._src.primitives._common import def_impl
@@ -57,6 +58,7 @@ from jax_fp4.quantized_array import QuantizedArray
 from jax_fp4.reference.nvfp4 import tensor_decode_scale
 
 __all__ = ["FFI_TARGET", "OUT_DTYPES", "TN", "gemm_p", "gemm", "aux_shape", "exact_operand", "exact_product",
+           "cpu_narrow_dot_guard",
            "ffi_attributes", "kernel_formats_ok"]
 
 FFI_TARGET = "jf4_gemm"
@@ -70,7 +72,7 @@ gemm_p.multiple_results = True
 def_impl(gemm_p)
 
 
-# ---- the emulated product (shared with jax_fp4.gemm.exact_dot_general) -----------------------------------------
+# ---- the emulated product's operands (the product itself: jax_fp4/_src/emulation/product.py) ----------------
 def exact_operand(q: QuantizedArray):
     """(values, tensor_scale): values in q.shape's orientation with dequantize(q) == values * tensor_scale.
 
@@ -86,24 +88,10 @@ def exact_operand(q: QuantizedArray):
     return dequantize_array(q, jnp.bfloat16), None
 
 
-def exact_product(ops, dimension_numbers):
-    """The float32 emulated product of two (values, tensor_scale) operands: a `lax.dot_general` at HIGHEST precision
-    with float32 accumulation (bfloat16 operands, float32 when either is float32), then the tensor scales multiply
-    the float32 result, lhs's first (docs/numerics.md "GEMM emulation")."""
-    (va, ta), (vb, tb) = ops
-    dt = jnp.float32 if jnp.float32 in (va.dtype, vb.dtype) else jnp.bfloat16
-    out = lax.dot_general(va.astype(dt), vb.astype(dt), dimension_numbers, precision=lax.Precision.HIGHEST,
-                          preferred_element_type=jnp.float32)
-    for t in (ta, tb):
-        if t is not None:
-            out = out * t
-    return out
-
-
 # ---- abstract evaluation ----------------------------------------------------------------------------------------
 def kernel_formats_ok(fa, fb) -> bool:
     """Whether the kernel takes a pair of formats: any NVFP4 (1D / 2D / RHT) / MXFP8 E4M3 / E5M2 pairing, or NVFP4
-    1x64 with NVFP4 1x64 (the window promotion needs both operands windowed)."""
+    1x64 with NVFP4 1x64 (the window promotion needs both operands windowed); no 4over6 operand."""
     if not (isinstance(fa, Format) and isinstance(fb, Format)):
         return False
     if fa.use_4over6 or fb.use_4over6:  # the kernel's tensor scale is amax * fp32(1/2688) (the 448 bound) only

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.interpreters import mlir
 
 from jax_fp4._src import ffi as _ffi
+from jax_fp4._src import jax_compat
 
 __all__ = ["axis_names", "divisible_spec", "lowering", "mesh_size", "shard_index", "spec_of", "split_factors"]
 
@@ -85,12 +86,8 @@ def _single_device(ctx) -> bool:
 def _require_devices(prim) -> None:
     """Make jit pass the device assignment when lowering a jaxpr holding `prim` (as it does for custom_partitioning
     itself): without it the lowering context has no devices, `_single_device` is true and the sharding rule is
-    skipped (the custom call would then run on gathered operands). Private jax API (jax 0.10-0.12), guarded."""
-    try:
-        from jax._src import dispatch
-        dispatch.prim_requires_devices_during_lowering.add(prim)
-    except (ImportError, AttributeError):  # pragma: no cover - a jax without it
-        pass
+    skipped (the custom call would then run on gathered operands). A private jax hook: `jax_compat`."""
+    jax_compat.require_devices_during_lowering(prim)
 
 
 def lowering(prim, inner, partition):

@@ -32,6 +32,7 @@ from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jax_fp4._src.emulation.product import exact_product
 from jax_fp4._src.primitives.partitioning_base import axis_names, divisible_spec, mesh_size, spec_of
 
 __all__ = ["gather_axes", "narrow_product", "reduced_product"]
@@ -116,8 +117,6 @@ def _gather(x, axes):
 
 
 def _product(va, vb, ta, tb, dn):
-    from jax_fp4._src.primitives.gemm import exact_product  # gemm imports this package's partitioning modules
-
     return exact_product(((va, ta), (vb, tb)), dn)
 
 
