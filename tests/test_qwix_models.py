@@ -24,7 +24,7 @@ from jax_fp4.qwix import Fp4Provider, Fp4Rule, set_rngs  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:The 'm.iter_modules:DeprecationWarning")  # qwix 0.1.8 calls it
 
 RECIPES = ["bf16", "mxfp8", "nvfp4-fwd-mxfp8-bwd", "nvfp4"]
-VOCAB, D, HEADS, LEN, STEPS = 64, 32, 2, 16, 4
+VOCAB, D, HEADS, LEN, STEPS = 64, 64, 2, 16, 4  # head width 32: whole MXFP8 blocks per head
 
 
 def _tokens(seed, batch=2):
@@ -73,7 +73,7 @@ class Seq2Seq(nn.Module):
 
 
 def _train_linen(recipe):
-    # The attention's activation x activation einsums (head width 16) stay in BF16; every projection takes the recipe.
+    # The attention's activation x activation einsums stay in BF16; every projection takes the recipe.
     provider = Fp4Provider([Fp4Rule(module_path=r".*attention", op_names=("einsum",), recipe="bf16"),
                             Fp4Rule(recipe=recipe)])
     model = qwix.quantize_model(Seq2Seq(), provider)
