@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from _cpu_devices import run_results
 
 pytest.importorskip("flax")

@@ -141,5 +141,5 @@ class LlamaBlock(nnx.Module):
         return x + self.down(_gemm_input(self.down, g)), jnp.zeros((), jnp.float32)
 
 
-__all__ = ["REMAT", "ATTENTION", "GEMM_INPUT", "remat_policy", "attention_implementation", "rope", "annotate", "attention",
-           "LlamaBlock"]
+__all__ = ["REMAT", "ATTENTION", "GEMM_INPUT", "remat_policy", "attention_implementation", "rope", "annotate",
+           "attention", "LlamaBlock"]

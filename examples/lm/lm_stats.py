@@ -169,7 +169,7 @@ def plot_gaps(out: Path, gaps: dict, title: str) -> Path | None:
     if spread:
         ax.axvspan(-spread, spread, color="0.85", label=f"same-seed spread ±{spread:.2f} %")
     ax.axvline(0, color="0.4", lw=0.8)
-    for i, (cfg, g) in enumerate(rows):
+    for i, (_, g) in enumerate(rows):
         half = g["ci_half_pct"] if math.isfinite(g["ci_half_pct"]) else 0.0
         ax.errorbar(g["mean_pct"], i, xerr=half, fmt="o", color="C0", capsize=3,
                     mfc="C0" if g["resolved"] else "white")

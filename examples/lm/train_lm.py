@@ -107,9 +107,8 @@ def train_recipe(name: str, cfg: RunConfig, corpus: lm_data.Corpus, out: Path, r
     the diagnostics step (the same update, also returning the per-layer quantization statistics). stop_at: stop after
     that step (a checkpoint is written there). collectives: summary["collectives"] = `lm_collectives.collective_bytes`
     of the first phase's compiled step."""
-    from tqdm.auto import tqdm
-
     from flax import nnx
+    from tqdm.auto import tqdm
 
     from jax_fp4 import policy as qpolicy
 
