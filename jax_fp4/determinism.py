@@ -68,7 +68,9 @@ def attention_implementation(deterministic: bool, backend: str | None = None) ->
 def checksum(tree) -> str:
     """The SHA-256 (hex) of every leaf's dtype, shape and bytes, in the tree's flattening order: equal for two trees
     exactly when they are equal bit for bit (NaN payloads and signed zeros included). Typed PRNG keys hash their key
-    data. Sharded arrays are gathered to the host (`jax.device_get`), so a state hashes the same on any mesh."""
+    data. Sharded arrays are gathered to the host (`jax.device_get`), so a state hashes the same on any mesh; an array
+    spread over several processes must be gathered first (e.g. `jax.experimental.multihost_utils.process_allgather`,
+    as train_lm's `lm_distributed.host_tree` does), since `jax.device_get` reads only addressable shards."""
     h = hashlib.sha256()
     for leaf in jax.tree.leaves(tree):
         if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
