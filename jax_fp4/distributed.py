@@ -36,7 +36,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_fp4._src.primitives.partitioning_collective import gather_axes, reduced_product
+from jax_fp4._src.emulation.sharded import reduced_product
+from jax_fp4._src.primitives.partitioning_collective import gather_axes
 from jax_fp4.quantized_array import QuantizedArray
 from jax_fp4.recipes import Recipe, resolve
 

@@ -1,4 +1,4 @@
-"""`narrow_product` (jax_fp4/_src/primitives/partitioning_collective.py): the bfloat16-output dot that `jax_fp4.dense`
+"""`narrow_product` (jax_fp4/_src/emulation/sharded.py): the bfloat16-output dot that `jax_fp4.dense`
 runs on cuBLAS for unscaled exact operands keeps the default float32 cross-shard sum under a mesh.
 
 On 4 forced CPU devices (one subprocess: XLA_FLAGS must be set before the backend starts), a weight-gradient-shaped
@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent(
     import glob, json, os, re, sys
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from jax_fp4._src.primitives.partitioning_collective import narrow_product
+    from jax_fp4._src.emulation.sharded import narrow_product
 
     DUMP = sys.argv[1]
     WGRAD = (((0,), (0,)), ((), ()))
@@ -108,7 +108,7 @@ def test_under_vmap_each_batch_element_is_its_product(sum_dtype):
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_fp4._src.primitives.partitioning_collective import narrow_product
+    from jax_fp4._src.emulation.sharded import narrow_product
 
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.integers(-64, 65, (3, 64, 32)), jnp.bfloat16)

@@ -43,6 +43,7 @@ bf = s.get("bf16", {}).get("tokens_per_s")
 for name, r in s.items():
     a2a = (r.get("collectives") or {}).get("all-to-all", {})
     peak = r.get("peak_bytes_per_device")
+    peak = max(peak) if isinstance(peak, list) else peak
     print(f"{sys.argv[2]:>8} {name:<20} tok/s {r['tokens_per_s']:>9,.0f}  x bf16 "
           f"{r['tokens_per_s'] / bf if bf else float('nan'):.3f}  MFU {r.get('mfu') or float('nan'):.3f}  peak "
           f"{(peak or 0) / 2**30:.1f} GiB  compile {r.get('compile_s') or float('nan'):.1f} s  all-to-all "

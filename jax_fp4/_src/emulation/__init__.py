@@ -8,8 +8,8 @@ An emulated GEMM multiplies exact operands (value(q) * block scale, exact in bfl
                  lhs's first); `cpu_narrow_dot_guard`: why a bfloat16 dot sits behind a barrier on the CPU.
   layer_gemm.py  `exact_gemm`: `jax_fp4.dense`'s GEMMs (+ bias, one cast), in the form that puts the dot on cuBLAS on
                  CUDA devices and `exact_product` elsewhere, with the XLA-fusion guards each form needs.
-The sums of a sharded contraction (`reduced_product`, `narrow_product`: `custom_partitioning` functions that read
-the operand shardings) are in jax_fp4/_src/primitives/partitioning_collective.py, beside the other sharding rules;
-`layer_gemm` is what calls them. Callers choose a form (`jax_fp4.dense`, `jax_fp4.gemm.exact_dot_general`, the
+  sharded.py     `reduced_product`, `narrow_product`: the sums of a contraction that a mesh shards, in a chosen dtype
+                 (`custom_partitioning` functions that read the operand shardings); `layer_gemm` calls them.
+Callers choose a form (`jax_fp4.dense`, `jax_fp4.gemm.exact_dot_general`, the
 `jf4_gemm` primitive's emulated lowering); none builds its own.
 """

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_fp4._src.emulation.product import exact_product
-from jax_fp4._src.primitives.partitioning_collective import narrow_product, reduced_product
+from jax_fp4._src.emulation.sharded import narrow_product, reduced_product
 
 __all__ = ["FPROP", "exact_gemm"]
 

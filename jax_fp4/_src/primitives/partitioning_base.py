@@ -15,7 +15,18 @@ from jax.interpreters import mlir
 from jax_fp4._src import ffi as _ffi
 from jax_fp4._src import jax_compat
 
-__all__ = ["axis_names", "divisible_spec", "lowering", "mesh_size", "shard_index", "spec_of", "split_factors"]
+__all__ = ["axis_names", "divisible_spec", "entry_names", "lowering", "mesh_size", "shard_index", "spec_entry",
+           "spec_of", "split_factors"]
+
+
+def entry_names(entry) -> tuple:
+    """The mesh axis names of one PartitionSpec entry (None, a name or a tuple of names), as a tuple."""
+    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def spec_entry(names):
+    """The PartitionSpec entry of a sequence of mesh axis names (None, the one name, or a tuple)."""
+    return None if not names else names[0] if len(names) == 1 else tuple(names)
 
 
 def spec_of(sharding, ndim):
