@@ -47,6 +47,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_fp4 import blocking as _blocking
 from jax_fp4 import validation
+from jax_fp4._src.emulation.product import cpu_float32_operands
 from jax_fp4._src.vjp_util import dtype_tag, operand_keys, refuse_forward_mode, reverse_mode_only
 from jax_fp4.dense import RESIDUAL_NAMES
 from jax_fp4.gemm import exact_operand
@@ -89,9 +90,13 @@ def _product(a, b, group_sizes, dims):
         a, b = lax.optimization_barrier((a, b))
     (va, ta), (vb, tb) = _values(a), _values(b)
     dt = jnp.float32 if jnp.float32 in (va.dtype, vb.dtype) else jnp.bfloat16
-    out = lax.ragged_dot_general(va.astype(dt), vb.astype(dt), group_sizes, dims,
-                                 precision=lax.Precision.HIGHEST if quantized else None,
-                                 preferred_element_type=jnp.float32)
+
+    def dot(a, b):
+        return lax.ragged_dot_general(a, b, group_sizes, dims, precision=lax.Precision.HIGHEST if quantized else None,
+                                      preferred_element_type=jnp.float32)
+
+    va, vb = va.astype(dt), vb.astype(dt)  # no bfloat16 x bfloat16 -> float32 dot on the CPU (cpu_float32_operands)
+    out = dot(va, vb) if dt == jnp.float32 else cpu_float32_operands(dot, va, vb)
     if dims is WGRAD_DIMS:  # [G, K, N]: one scale per group
         for t in (ta, tb):
             if t is not None:

@@ -5,7 +5,7 @@ An emulated GEMM multiplies exact operands (value(q) * block scale, exact in bfl
 (docs/numerics.md, "GEMM emulation"). Its forms, each with the reason it is written so:
 
   product.py     `exact_product`: the float32 product (a `dot_general` at HIGHEST precision, tensor scales after,
-                 lhs's first); `cpu_narrow_dot_guard`: why a bfloat16 dot sits behind a barrier on the CPU.
+                 lhs's first); `cpu_float32_operands`: why the CPU's dots take float32 operands.
   layer_gemm.py  `exact_gemm`: `jax_fp4.dense`'s GEMMs (+ bias, one cast), in the form that puts the dot on cuBLAS on
                  CUDA devices and `exact_product` elsewhere, with the XLA-fusion guards each form needs.
   sharded.py     `reduced_product`, `narrow_product`: the sums of a contraction that a mesh shards, in a chosen dtype

@@ -47,7 +47,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jax_fp4._src import ffi as _ffi
-from jax_fp4._src.emulation.product import cpu_narrow_dot_guard, exact_product  # noqa: F401 - re-exported
+from jax_fp4._src.emulation.product import cpu_float32_operands, exact_product  # noqa: F401 - re-exported
 from jax_fp4._src.ffi_codes import GemmFlag
 from jax_fp4._src.primitives import partitioning_gemm
 from jax_fp4._src.primitives._common import def_impl
@@ -58,7 +58,7 @@ from jax_fp4.quantized_array import QuantizedArray
 from jax_fp4.reference.nvfp4 import tensor_decode_scale
 
 __all__ = ["FFI_TARGET", "OUT_DTYPES", "TN", "gemm_p", "gemm", "aux_shape", "exact_operand", "exact_product",
-           "cpu_narrow_dot_guard",
+           "cpu_float32_operands",
            "ffi_attributes", "kernel_formats_ok"]
 
 FFI_TARGET = "jf4_gemm"
