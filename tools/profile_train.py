@@ -31,7 +31,8 @@ import os
 import sys
 import tempfile
 
-import profile_dense  # tools/profile_dense.py: the kernel-name categories
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, also under python -P
+import profile_dense  # noqa: E402 - tools/profile_dense.py: the kernel-name categories
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_MODULE = "jit_train"
