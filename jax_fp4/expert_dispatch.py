@@ -58,7 +58,8 @@ def quantized_dispatch(recipe: Recipe) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Geometry:
     """Static sizes of one device's dispatch: n (expert-axis size), cap (C), num_experts (E), top_k (k), tokens (T_l),
-    buf (rows of the receiver's expert buffer), axis_name."""
+    buf (rows of the receiver's expert buffer), axis_name, implementation (the grouped products' library, as
+    `jax_fp4.ragged_dot`'s)."""
 
     n: int
     cap: int
@@ -67,6 +68,7 @@ class Geometry:
     tokens: int
     buf: int
     axis_name: str
+    implementation: str = "xla"
 
     @property
     def local(self) -> int:
@@ -158,7 +160,7 @@ def _up_fwd(recipe, g, x2, w, r, key):
     kq, kx, kw, kdy = _keys(key)
     xq = _send_quantized(x2[r.order // g.top_k], recipe.fprop_x, r, g, kq)
     w_dgrad, w_fprop = _weight_pair(w, recipe.dgrad_w, recipe.fprop_w, kw)
-    y = _product(xq, w_fprop, r.sizes, FPROP_DIMS).astype(jnp.result_type(x2, w))
+    y = _product(xq, w_fprop, r.sizes, FPROP_DIMS, g.implementation).astype(jnp.result_type(x2, w))
     x_hat = grouped_dequantize(xq, x2.dtype)  # the values the fprop used, in the receiver's expert buffer
     x_wgrad = _grouped_pair(x_hat, r.sizes, None, recipe.wgrad_x, kx)[1]
     return y, (_named(x_wgrad, 0), _named(w_dgrad, 1), r, kdy, jnp.zeros((0,), x2.dtype), jnp.zeros((0,), w.dtype))
@@ -168,10 +170,10 @@ def _up_bwd(recipe, g, res, dy):
     x_wgrad, w_dgrad, r, kdy, xs, ws = res
     recipe.check_key(kdy, "ExpertParallelMoEMLP", backward=True)
     dy_dgrad, dy_wgrad = _grouped_pair(dy, r.sizes, recipe.dgrad_dy, recipe.wgrad_dy, kdy)
-    dx_buf = _product(dy_dgrad, w_dgrad, r.sizes, DGRAD_DIMS).astype(xs.dtype)  # [buf, K]
+    dx_buf = _product(dy_dgrad, w_dgrad, r.sizes, DGRAD_DIMS, g.implementation).astype(xs.dtype)  # [buf, K]
     dx_send = _exchange(dx_buf[r.rows], g)  # back on the tokens' device, in its send rows
     dx2 = jnp.zeros((g.tokens + 1, dx_send.shape[1]), xs.dtype).at[r.token_of_slot].add(dx_send)[:-1]
-    dw = _product(x_wgrad, dy_wgrad, r.sizes, WGRAD_DIMS).astype(ws.dtype)
+    dw = _product(x_wgrad, dy_wgrad, r.sizes, WGRAD_DIMS, g.implementation).astype(ws.dtype)
     return dx2, dw, None, None
 
 
@@ -190,7 +192,7 @@ def _down_fwd(recipe, g, h, w, r, key):
     kq, kx, kw, kdy = _keys(key)
     h_fprop, h_wgrad = _grouped_pair(h, r.sizes, recipe.fprop_x, recipe.wgrad_x, kx)
     w_dgrad, w_fprop = _weight_pair(w, recipe.dgrad_w, recipe.fprop_w, kw)
-    out = _product(h_fprop, w_fprop, r.sizes, FPROP_DIMS).astype(jnp.result_type(h, w))
+    out = _product(h_fprop, w_fprop, r.sizes, FPROP_DIMS, g.implementation).astype(jnp.result_type(h, w))
     back = _exchange(out[r.rows], g)
     tags = (jnp.zeros((0,), h.dtype), jnp.zeros((0,), w.dtype))
     return back, (_named(h_wgrad, 0), _named(w_dgrad, 1), r, kq, kdy, *tags)
@@ -200,10 +202,10 @@ def _down_bwd(recipe, g, res, dback):
     h_wgrad, w_dgrad, r, kq, kdy, hs, ws = res
     recipe.check_key(kq, "ExpertParallelMoEMLP", backward=True)
     dyq = _send_quantized(_ext(dback)[r.slot_of_srow], recipe.dgrad_dy, r, g, kq)
-    dh = _product(dyq, w_dgrad, r.sizes, DGRAD_DIMS).astype(hs.dtype)
+    dh = _product(dyq, w_dgrad, r.sizes, DGRAD_DIMS, g.implementation).astype(hs.dtype)
     dy_hat = grouped_dequantize(dyq, dback.dtype)
     dy_wgrad = _grouped_pair(dy_hat, r.sizes, None, recipe.wgrad_dy, kdy)[1]
-    dw = _product(h_wgrad, dy_wgrad, r.sizes, WGRAD_DIMS).astype(ws.dtype)
+    dw = _product(h_wgrad, dy_wgrad, r.sizes, WGRAD_DIMS, g.implementation).astype(ws.dtype)
     return dh, dw, None, None
 
 

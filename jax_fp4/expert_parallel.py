@@ -137,7 +137,8 @@ def _exchange(a, axis_name, n):
 
 
 def expert_mlp(x2, weights, experts, up, down, *, recipe: Recipe, num_experts: int, axis_name: str,
-               cap: int, alignment: int, activation: str = "swiglu", key=None, quantized: bool = False):
+               cap: int, alignment: int, activation: str = "swiglu", key=None, quantized: bool = False,
+               implementation: str = "xla"):
     """One device's share of an expert-parallel MoE MLP (module docstring); call inside `jax.shard_map`.
 
     Args:
@@ -151,6 +152,7 @@ def expert_mlp(x2, weights, experts, up, down, *, recipe: Recipe, num_experts: i
         this device's index on the expert axis.
       quantized: dispatch the up GEMM's x and the down GEMM's dy as their quantized operands
         (`jax_fp4.expert_dispatch`; needs `expert_dispatch.quantized_dispatch(recipe)`); False: in x2's dtype.
+      implementation: the grouped products' library, as `jax_fp4.ragged_dot`'s ("xla" or "tokamax").
 
     Returns:
       [T_l, D_out] in x2's dtype.
@@ -175,7 +177,7 @@ def expert_mlp(x2, weights, experts, up, down, *, recipe: Recipe, num_experts: i
     if key is not None:
         k_up, k_down = jax.random.split(jax.random.fold_in(key, jax.lax.axis_index(axis_name)))
     if quantized:
-        geom = ed.Geometry(n, cap, num_experts, k, t, buf, axis_name)
+        geom = ed.Geometry(n, cap, num_experts, k, t, buf, axis_name, implementation)
         a = t * k
         flat = slot.reshape(-1)
         sort_key = jnp.where(flat < n * cap, experts.reshape(-1), num_experts)  # dropped assignments sort last
@@ -190,7 +192,7 @@ def expert_mlp(x2, weights, experts, up, down, *, recipe: Recipe, num_experts: i
         send = jnp.concatenate([x2, jnp.zeros((1, d), x2.dtype)])[token]  # [n * C, D]; gradient: a scatter-add
         xs = jnp.concatenate([checkpoint_name(_exchange(send, axis_name, n), SAVE_NAME),
                               jnp.zeros((1, d), x2.dtype)])[src]
-        hid = ragged_dot(xs, up, sizes, recipe=recipe, key=k_up)
+        hid = ragged_dot(xs, up, sizes, recipe=recipe, key=k_up, implementation=implementation)
     hid = checkpoint_name(hid, SAVE_NAME)
     if activation == "swiglu":
         gate, linear = jnp.split(hid, 2, axis=-1)
@@ -200,7 +202,7 @@ def expert_mlp(x2, weights, experts, up, down, *, recipe: Recipe, num_experts: i
     if quantized:
         back = ed.down_combine(recipe, geom, hid, down, r, k_down)
     else:
-        out = ragged_dot(hid, down, sizes, recipe=recipe, key=k_down)  # [buf, D_out]; rows past the groups: 0
+        out = ragged_dot(hid, down, sizes, recipe=recipe, key=k_down, implementation=implementation)  # [buf, D_out]
         back = _exchange(out[rows], axis_name, n)  # [n * C, D_out] in this device's send rows
     back = jnp.concatenate([checkpoint_name(back, SAVE_NAME), jnp.zeros((1, back.shape[1]), back.dtype)])
     return jnp.einsum("tk,tko->to", weights, back[slot].astype(jnp.float32)).astype(back.dtype)

@@ -47,7 +47,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_fp4 import blocking as _blocking
 from jax_fp4 import validation
-from jax_fp4._src.emulation.product import cpu_float32_operands
+from jax_fp4._src.emulation.ragged import check_implementation, ragged_dot_plain, ragged_product
 from jax_fp4._src.vjp_util import dtype_tag, operand_keys, refuse_forward_mode, reverse_mode_only
 from jax_fp4.dense import RESIDUAL_NAMES
 from jax_fp4.gemm import exact_operand
@@ -84,19 +84,14 @@ def _values(op):
     return op, None
 
 
-def _product(a, b, group_sizes, dims):
+def _product(a, b, group_sizes, dims, implementation="xla"):
     quantized = not isinstance(a, jax.Array) or not isinstance(b, jax.Array)
     if quantized:  # keep the quantize producers out of the decode fusions (see gemm.py)
         a, b = lax.optimization_barrier((a, b))
     (va, ta), (vb, tb) = _values(a), _values(b)
     dt = jnp.float32 if jnp.float32 in (va.dtype, vb.dtype) else jnp.bfloat16
-
-    def dot(a, b):
-        return lax.ragged_dot_general(a, b, group_sizes, dims, precision=lax.Precision.HIGHEST if quantized else None,
-                                      preferred_element_type=jnp.float32)
-
-    va, vb = va.astype(dt), vb.astype(dt)  # no bfloat16 x bfloat16 -> float32 dot on the CPU (cpu_float32_operands)
-    out = dot(va, vb) if dt == jnp.float32 else cpu_float32_operands(dot, va, vb)
+    out = ragged_product(va.astype(dt), vb.astype(dt), group_sizes, dims, implementation=implementation,
+                         precision=lax.Precision.HIGHEST if quantized else None)
     if dims is WGRAD_DIMS:  # [G, K, N]: one scale per group
         for t in (ta, tb):
             if t is not None:
@@ -131,34 +126,34 @@ def _weight_pair(w, row_fmt, col_fmt, key):
     return (w if row is None else row), (w if col is None else col)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ragged(recipe, x, w, group_sizes, key):
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ragged(recipe, impl, x, w, group_sizes, key):
     """Forward only (no VJP taken): only the fprop operands are quantized, no residuals."""
     kx, kw, _ = operand_keys(key)
     x_fprop, _ = _grouped_pair(x, group_sizes, recipe.fprop_x, None, kx)
     _, w_fprop = _weight_pair(w, None, recipe.fprop_w, kw)
-    return _product(x_fprop, w_fprop, group_sizes, FPROP_DIMS).astype(jnp.result_type(x, w))
+    return _product(x_fprop, w_fprop, group_sizes, FPROP_DIMS, impl).astype(jnp.result_type(x, w))
 
 
-def _ragged_fwd(recipe, x, w, group_sizes, key):
+def _ragged_fwd(recipe, impl, x, w, group_sizes, key):
     _blocking.check_grouped(recipe, x.shape[0], x.shape[1], w.shape[2], validation._concrete(group_sizes),
                             differentiated=True)
     kx, kw, kdy = operand_keys(key)  # dY's key is checked by the backward (as in jax_fp4.dense)
     x_fprop, x_wgrad = _grouped_pair(x, group_sizes, recipe.fprop_x, recipe.wgrad_x, kx)
     w_dgrad, w_fprop = _weight_pair(w, recipe.dgrad_w, recipe.fprop_w, kw)
-    y = _product(x_fprop, w_fprop, group_sizes, FPROP_DIMS)
+    y = _product(x_fprop, w_fprop, group_sizes, FPROP_DIMS, impl)
     res = (jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[0]), x_wgrad),
            jax.tree.map(partial(checkpoint_name, name=RESIDUAL_NAMES[1]), w_dgrad),
            group_sizes, kdy, dtype_tag(x), dtype_tag(w))
     return y.astype(jnp.result_type(x, w)), res
 
 
-def _ragged_bwd(recipe, res, dy):
+def _ragged_bwd(recipe, impl, res, dy):
     x_wgrad, w_dgrad, group_sizes, kdy, xs, ws = res
     recipe.check_key(kdy, "ragged_dot", backward=True)
     dy_dgrad, dy_wgrad = _grouped_pair(dy, group_sizes, recipe.dgrad_dy, recipe.wgrad_dy, kdy)
-    dx = _product(dy_dgrad, w_dgrad, group_sizes, DGRAD_DIMS).astype(xs.dtype)
-    dw = _product(x_wgrad, dy_wgrad, group_sizes, WGRAD_DIMS).astype(ws.dtype)
+    dx = _product(dy_dgrad, w_dgrad, group_sizes, DGRAD_DIMS, impl).astype(xs.dtype)
+    dw = _product(x_wgrad, dy_wgrad, group_sizes, WGRAD_DIMS, impl).astype(ws.dtype)
     return dx, dw, None, None
 
 
@@ -190,7 +185,7 @@ def clip_group_sizes(group_sizes, rows: int):
     return jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype)).astype(group_sizes.dtype)
 
 
-def ragged_dot(lhs, rhs, group_sizes, *, recipe: Recipe, key=None):
+def ragged_dot(lhs, rhs, group_sizes, *, recipe: Recipe, key=None, implementation: str = "xla"):
     """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` with the GEMMs quantized as `recipe` says (custom VJP, module
     docstring).
 
@@ -208,12 +203,16 @@ def ragged_dot(lhs, rhs, group_sizes, *, recipe: Recipe, key=None):
         is differentiated with a recipe that rounds a gradient operand stochastically. Forward-only calls quantize
         only the fprop operands (x rowwise, w along K) and need no key otherwise. Reverse mode only (jax.jvp /
         jacfwd / hessian raise TypeError).
+      implementation: who computes the grouped products: "xla" (`jax.lax.ragged_dot_general`; XLA:GPU lowers it
+        to a dense dot over every group) or "tokamax" (its GPU grouped-GEMM kernels; the same operands and
+        float32 accumulation; needs `jax_fp4[tokamax]`). `jax_fp4._src.emulation.ragged` says more.
 
     Returns:
       [T, N] in the promoted dtype of lhs and rhs (float32 accumulation and tensor scales, then one cast).
 
     Raises:
-      ValueError: shapes that do not line up; group_sizes not int[G]; a missing key.
+      ValueError: shapes that do not line up; group_sizes not int[G]; a missing key; an unknown implementation.
+      ImportError: implementation="tokamax" without tokamax.
       `jax_fp4.blocking.BlockingError` (a ValueError naming each operand role, the dimension or group and the
       fixes; `jax_fp4.flax.moe.MoEMLP` adds its layer path): formats that cannot block the shapes (K and N
       multiples of the formats' blocks, 16 for NVFP4 2D weights); when differentiated with a quantized wgrad,
@@ -221,6 +220,7 @@ def ragged_dot(lhs, rhs, group_sizes, *, recipe: Recipe, key=None):
       do not raise: that group's dw is NaN (module docstring).
     """
     recipe = resolve(recipe, "ragged_dot")
+    check_implementation(implementation, "jax_fp4.ragged_dot")
     lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
     if recipe.quantized:  # before the other checks: one error whatever the key
         refuse_forward_mode("jax_fp4.ragged_dot", lhs, rhs)
@@ -228,6 +228,6 @@ def ragged_dot(lhs, rhs, group_sizes, *, recipe: Recipe, key=None):
     recipe.check_key(key, "ragged_dot", backward=False)  # (a non-key is refused under BF16 too)
     group_sizes = clip_group_sizes(group_sizes, lhs.shape[0])  # one contract for the value and the gradient
     if not recipe.quantized:
-        return lax.ragged_dot(lhs, rhs, group_sizes)
+        return ragged_dot_plain(lhs, rhs, group_sizes, implementation)
     _blocking.check_grouped(recipe, *lhs.shape, rhs.shape[2], differentiated=False)
-    return reverse_mode_only(_ragged, "jax_fp4.ragged_dot")(recipe, lhs, rhs, group_sizes, key)
+    return reverse_mode_only(_ragged, "jax_fp4.ragged_dot")(recipe, implementation, lhs, rhs, group_sizes, key)

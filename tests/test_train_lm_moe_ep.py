@@ -8,7 +8,8 @@
   compiled step runs 7 all-to-alls (forward: expert ids, x codes, x scales, the combine; backward: dy codes, dy
   scales, dx; none repeated under remat "quantized"), the step-1 loss equals the one-device loss within the float32
   bound of a mean over the tokens in another order, step 2 within 1 %, the loss falls after the resume, the
-  per-expert load sums to 1.
+  per-expert load sums to 1; with tokamax installed, --grouped-gemm tokamax gives the expert-mesh run's losses bit for
+  bit (tokamax's XLA implementation on the CPU).
 """
 
 from __future__ import annotations
@@ -65,10 +66,13 @@ def test_mesh_flags(capsys):
     args = ["--moe", "4", "--arch", "llama", "--mlp-hidden", "256"]
     assert train_lm.parse_args([*args, "--mesh", "1x1"])[1].mesh == (1, 1, 1, 1)
     assert train_lm.parse_args([*args, "--mesh", "1x1x1"])[1].mesh == (1, 1, 1, 1)
+    assert train_lm.parse_args(args)[1].model.moe_gemm == "xla"
+    assert train_lm.parse_args([*args, "--grouped-gemm", "tokamax"])[1].model.moe_gemm == "tokamax"
     for flags, match in ((["--mesh", "1x1x1x2"], "needs mixture-of-experts"),
                          ([*args[:1], "3", *args[2:], "--mesh", "1x1x1x2"], "do not split over the expert axis"),
                          ([*args, "--mesh", "1x1x2x1"], "no tensor parallelism"),
-                         ([*args, "--capacity-factor", "1.25"], "needs an expert axis")):
+                         ([*args, "--capacity-factor", "1.25"], "needs an expert axis"),
+                         (["--grouped-gemm", "tokamax"], "--grouped-gemm needs --moe")):
         with pytest.raises(SystemExit):
             train_lm.parse_args(flags)
         assert match in capsys.readouterr().err, flags
@@ -82,6 +86,11 @@ out, flags = sys.argv[1], json.loads(sys.argv[2])
 train_lm.main([*flags, "--out", out + "/one"])
 train_lm.main([*flags, "--mesh", "1x1x1x2", "--stop-at", "2", "--collectives", "--out", out + "/moved"])
 print("COLL " + json.dumps(json.load(open(out + "/moved/summary.json"))["nvfp4-fwd-mxfp8-bwd"]["collectives"]))
+try:
+    import tokamax  # noqa: F401 - the expert GEMMs by tokamax (its XLA implementation on the CPU): the same bits
+    train_lm.main([*flags, "--mesh", "1x1x1x2", "--stop-at", "2", "--grouped-gemm", "tokamax", "--out", out + "/tk"])
+except ImportError:
+    pass
 train_lm.main([*flags, "--mesh", "2x1", "--resume", "--out", out + "/moved"])
 """
 
@@ -101,6 +110,8 @@ def test_expert_mesh_train_and_resume_on_another_expert_axis(tmp_path):
             return [float(r["train_loss"]) for r in csv.DictReader(f)]
 
     one, moved = losses("one"), losses("moved")
+    if (tmp_path / "tk").exists():
+        assert "GEMMs by tokamax" in proc.stdout and losses("tk") == moved[:2], (losses("tk"), moved)
     assert len(one) == len(moved) == 4 and np.all(np.isfinite(moved)), (one, moved)
     n = 4 * 64  # step 1: the same values per token (expert parallel y = MoEMLP's), the mean in another order
     assert abs(moved[0] - one[0]) <= 2 * (n - 1) * 2.0**-24 * one[0], (moved[0], one[0])

@@ -103,7 +103,8 @@ class RunConfig:
 
 
 NEW_MODEL_FIELDS = ("arch", "kv_heads", "mlp_hidden", "remat", "vocab", "moe_capacity")
-RUN_ONLY_MODEL_FIELDS = ("attention",)  # how a step runs, not what it trains: a checkpoint resumes under either
+# how a step runs, not what it trains: a checkpoint resumes under either value
+RUN_ONLY_MODEL_FIELDS = ("attention", "moe_gemm")
 
 
 # ---- command line ----------------------------------------------------------------------------------------------------
@@ -236,6 +237,10 @@ def make_parser() -> argparse.ArgumentParser:
                    help="with --moe on an expert mesh: rows per (source, destination) device pair in the all-to-all "
                         "buffers, as a multiple of the balanced share (jax_fp4.expert_parallel.capacity); "
                         "assignments past them are dropped (default: dropless)")
+    p.add_argument("--grouped-gemm", choices=("xla", "tokamax"),
+                   help="with --moe: who computes the expert GEMMs (jax_fp4.ragged_dot's implementation): xla "
+                        "(default; XLA:GPU lowers them to dense dots over every expert) or tokamax (its GPU "
+                        "grouped-GEMM kernels; pip install 'jax_fp4[tokamax]'). The same parameters either way")
     p.add_argument("--seed", type=int, default=0, help="initialization and data-order seed (default 0)")
     p.add_argument("--data", type=_existing_file, help="train on this text file instead of the Python stdlib")
     p.add_argument("--corpus", choices=CORPORA, help="the embedded corpus: the stdlib's .py files, or every .py under "
@@ -274,14 +279,14 @@ def parse_args(argv=None):
         parser.error(f"--batch {v['batch']} x --seq {v['seq']} = {v['batch'] * v['seq']} tokens per batch: must be a "
                      "multiple of 128 (the quantized GEMMs block the token axis in the weight gradient)")
     experts = args.moe if args.moe is not None else v.get("moe")  # a moe preset's experts and top-k
-    for flag in ("top_k", "aux_weight", "capacity_factor"):
+    for flag in ("top_k", "aux_weight", "capacity_factor", "grouped_gemm"):
         if experts is None and getattr(args, flag) is not None:
             parser.error(f"--{flag.replace('_', '-')} needs --moe")
     top_k = args.top_k if args.top_k is not None else v.get("top_k", MOE_TOP_K)
     moe = {} if experts is None else dict(
         moe_experts=experts, moe_top_k=top_k,
         moe_aux_weight=MOE_AUX_WEIGHT if args.aux_weight is None else args.aux_weight,
-        moe_capacity=args.capacity_factor or 0.0)
+        moe_capacity=args.capacity_factor or 0.0, moe_gemm=args.grouped_gemm or "xla")
     if moe and not moe["moe_top_k"] <= moe["moe_experts"]:
         parser.error(f"--top-k {moe['moe_top_k']} exceeds the {moe['moe_experts']} experts of --moe")
     model = lm_model.ModelConfig(

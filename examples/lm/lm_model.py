@@ -100,6 +100,7 @@ class ModelConfig:
     moe_top_k: int = 2  # experts per token
     moe_aux_weight: float = 0.01  # weight of the load-balancing loss in the objective
     moe_capacity: float = 0.0  # expert parallelism: the dispatch capacity factor (0: dropless)
+    moe_gemm: str = "xla"  # who computes the expert GEMMs: "xla" or "tokamax" (jax_fp4.ragged_dot's implementation)
     arch: str = "gpt"  # "gpt" (LayerNorm, GELU MLP, biases) or "llama" (RMSNorm, SwiGLU, GQA, no biases)
     kv_heads: int = 0  # llama: key / value heads (0: n_heads)
     mlp_hidden: int = 0  # the MLP width (0: mlp_ratio x d_model)

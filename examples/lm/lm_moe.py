@@ -60,10 +60,11 @@ def scan_problems(cfg, recipes, mesh, platform: str) -> list[str]:
 
 def make_moe(cfg, recipe: Recipe, rngs, dtype, mesh, *, activation: str, norm: str, hidden: int):
     """The MoE MLP of one block: cfg.moe_experts experts of width `hidden`, top cfg.moe_top_k, pre-norm `norm`
-    ("layernorm" / "rmsnorm"), `activation` ("gelu" / "swiglu"), the recipe's `expert_recipe`; expert-parallel when
+    ("layernorm" / "rmsnorm"), `activation` ("gelu" / "swiglu"), the recipe's `expert_recipe`, the expert GEMMs
+    computed by cfg.moe_gemm ("xla" / "tokamax"); expert-parallel when
     `mesh` has an "expert" axis of size > 1 (dropless unless cfg.moe_capacity > 0, the capacity factor)."""
     kw = dict(recipe=expert_recipe(recipe), top_k=cfg.moe_top_k, activation=activation, norm=norm, dtype=dtype,
-              rngs=rngs)
+              implementation=cfg.moe_gemm, rngs=rngs)
     if mesh is None or mesh.shape.get(EXPERT, 1) == 1:
         return MoEMLP(cfg.d_model, hidden, cfg.moe_experts, **kw)
     return ExpertParallelMoEMLP(cfg.d_model, hidden, cfg.moe_experts, mesh=mesh, expert_axis=EXPERT,

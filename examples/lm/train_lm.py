@@ -376,7 +376,8 @@ def _main(args, cfg: RunConfig, names: list[str]) -> dict:
     if m.moe:
         print(f"moe: every MLP {m.moe_experts} experts, top-{m.moe_top_k} per token (bfloat16 router, "
               f"{f'capacity factor {m.moe_capacity:g}' if m.moe_capacity else 'dropless'}), expert hidden {m.hidden} "
-              f"({'SwiGLU' if m.arch == 'llama' else 'GELU'}), load-balancing loss weight {m.moe_aux_weight:g}; "
+              f"({'SwiGLU' if m.arch == 'llama' else 'GELU'}, GEMMs by {m.moe_gemm}), load-balancing loss weight "
+              f"{m.moe_aux_weight:g}; "
               f"{lm_model.count_params(m, active=True) / 1e6:.2f}M parameters active per token")
 
     rows, summaries, switch = [], {}, lm_precision.make_switch(args)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes, initializers
 
+from jax_fp4._src.emulation.ragged import check_implementation
 from jax_fp4.blocking import BlockingError
 from jax_fp4.flax.layer_path import nnx_path
 from jax_fp4.flax.nnx_layers import RngsLike, check_recipe, make_norm, quantize_key, quantize_stream, split_rngs
@@ -103,6 +104,8 @@ class MoEMLP(nnx.Module):
       dtype: compute dtype of the experts (None: promoted from x and the params, as `nnx.Linear`).
       param_dtype: parameter dtype (default float32). kernel_init: expert init (fan-in per expert).
       rng_collection: stream of the stochastic-rounding keys when ``recipe.needs_key`` (as `jax_fp4.flax.nnx.Dense`).
+      implementation: who computes the expert GEMMs, as `jax_fp4.ragged_dot`'s: "xla" (default) or "tokamax" (GPU
+        grouped-GEMM kernels; needs `jax_fp4[tokamax]`). ValueError / ImportError at construction.
       rngs: `nnx.Rngs` (``params`` for the weights).
 
     Call: ``layer(x, *, rngs=None, return_aux_loss=False)``, x [..., D] -> [..., out] (and the float32 auxiliary
@@ -117,8 +120,10 @@ class MoEMLP(nnx.Module):
                  recipe: Recipe, top_k: int = 2, activation: str = "swiglu", norm: str | None = "layernorm",
                  epsilon: float = 1e-6, alignment: int | None = None, router_dtype: tp.Any = jnp.bfloat16,
                  dtype: tp.Any = None, param_dtype: tp.Any = jnp.float32,
-                 kernel_init: tp.Callable = default_expert_init, rng_collection: str = "quantize", rngs: nnx.Rngs):
+                 kernel_init: tp.Callable = default_expert_init, rng_collection: str = "quantize",
+                 implementation: str = "xla", rngs: nnx.Rngs):
         recipe = check_recipe(recipe, "jax_fp4.flax.moe.MoEMLP")
+        self.implementation = check_implementation(implementation, "jax_fp4.flax.moe.MoEMLP")
         if activation not in ACTIVATIONS:
             raise ValueError(f"MoEMLP: activation must be one of {ACTIVATIONS}, got {activation!r}")
         if not 1 <= top_k <= num_experts:
@@ -152,7 +157,7 @@ class MoEMLP(nnx.Module):
     def _expert_gemm(self, name, xs, w, sizes, key):
         """`ragged_dot` of projection `name` ("up" / "down"); a BlockingError names the projection's module path."""
         try:
-            return ragged_dot(xs, w, sizes, recipe=self.recipe, key=key)
+            return ragged_dot(xs, w, sizes, recipe=self.recipe, key=key, implementation=self.implementation)
         except BlockingError as e:  # the policy unit is the MoE layer; the message names the projection
             raise e.with_layer(nnx_path(self) or type(self).__name__,
                                f"jax_fp4.flax.moe.MoEMLP, {name} projection (jax_fp4.ragged_dot)") from None

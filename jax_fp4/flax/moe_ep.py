@@ -117,7 +117,8 @@ class ExpertParallelMoEMLP(MoEMLP):
             up, down = ep.varying(up, others), ep.varying(down, others)
             return ep.expert_mlp(x2, w, e, up, down, recipe=self.recipe, num_experts=self.num_experts,
                                  axis_name=self.expert_axis, cap=cap, alignment=self.alignment,
-                                 activation=self.activation, key=key, quantized=quantized)
+                                 activation=self.activation, key=key, quantized=quantized,
+                                 implementation=self.implementation)
 
         tok, exp = P(self.batch_axes, None), P(self.expert_axis, None, None)
         keys = P() if key is not None else None

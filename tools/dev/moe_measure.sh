@@ -6,6 +6,8 @@
 #   ep2       --mesh 1x1x1x2 (2 GPUs: 32 experts each, quantized dispatch for nvfp4-fwd-mxfp8-bwd), dropless
 #   ep2-cf    --mesh 1x1x1x2 --capacity-factor 1.25
 #   one       no mesh: one GPU, experts replicated (the one-GPU ratio)
+#   ep2-tokamax, one-tokamax   ep2 / one with --grouped-gemm tokamax (tokamax's GPU grouped-GEMM kernels)
+#   ep2-cudnn ep2 with XLA's cuDNN ragged-dot fusion (--xla_gpu_experimental_use_ragged_dot_fusion=true)
 #   ep4       --mesh 1x1x1x4 (4 GPUs)          dx4 --mesh 2x1x1x2 (4 GPUs: data x expert)
 #   profile   tools/profile_train.py of ep2 (kernel time by category, nccl exposed)
 #   fidelity  the small preset with --moe (8 experts, top-2) on one GPU, bf16 and nvfp4-fwd-mxfp8-bwd, seeds 0 1 2,
@@ -14,6 +16,10 @@
 # Environment: STEPS (default 30) sets --steps; RECIPES (default bf16,nvfp4-fwd-mxfp8-bwd) the recipes of each run
 # (one recipe per call keeps a call short); /tmp/site is reused when it holds a build (REBUILD=1 rebuilds); XLA_FLAGS
 # pass through (e.g. --xla_gpu_experimental_use_ragged_dot_fusion=true where the jaxlib has cuDNN's ragged dot).
+# WHEELS=DIR installs the wheels in DIR (--no-index --no-deps) into /tmp/extra, on PYTHONPATH after /tmp/site: the
+# tokamax steps need tokamax and its dependencies (tokamax, einshape, jaxtyping, wadler-lindig, pydantic,
+# pydantic-core, annotated-types, typing-inspection, typeguard 2.13.3, immutabledict, tensorboardx, protobuf, qwix)
+# on a machine without a package index.
 set -uo pipefail
 R="$PWD"
 OUT="${OUT:-/tmp/out}"
@@ -30,9 +36,13 @@ else
   python3 -m pip install --no-build-isolation --no-deps --target /tmp/site . > "$OUT/build.log" 2>&1
   echo "build rc=$? $(( $(date +%s) - S ))s"
 fi
+if [ -n "${WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/extra "$WHEELS"/*.whl > "$OUT/wheels.log" 2>&1
+  echo "wheels rc=$?"
+fi
 nvidia-smi --query-gpu=name --format=csv,noheader
 cd /tmp || exit 1
-export PYTHONPATH=/tmp/site
+export PYTHONPATH=/tmp/site${WHEELS:+:/tmp/extra}
 COMMON=(--preset moe-large --recipes "$RECIPES" --steps "$STEPS" --eval-every "$STEPS" --eval-batches 2
         --log-every 10 --no-progress --collectives)
 summary() {  # tokens/s, ratio, MFU, peak, compile, all-to-all bytes of $OUT/$1/summary.json
@@ -68,6 +78,9 @@ for step in "${steps[@]}"; do
     ep2) run ep2 --mesh 1x1x1x2 ;;
     ep2-cf) run ep2-cf --mesh 1x1x1x2 --capacity-factor 1.25 ;;
     one) run one ;;
+    ep2-tokamax) run ep2-tokamax --mesh 1x1x1x2 --grouped-gemm tokamax ;;
+    one-tokamax) run one-tokamax --grouped-gemm tokamax ;;
+    ep2-cudnn) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_use_ragged_dot_fusion=true" run ep2-cudnn --mesh 1x1x1x2 ;;
     ep4) run ep4 --mesh 1x1x1x4 ;;
     dx4) run dx4 --mesh 2x1x1x2 ;;
     profile) mkdir -p /tmp/profile_run /tmp/moe_tokenizer; ln -sfn /tmp/moe_tokenizer /tmp/profile_run/tokenizer
