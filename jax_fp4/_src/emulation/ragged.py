@@ -64,6 +64,10 @@ def ragged_product(va, vb, group_sizes, dimension_numbers, *, precision, impleme
     or float32), accumulated in float32, by `implementation`. A bfloat16 product takes float32 operands on the CPU
     (`cpu_float32_operands`: XLA:CPU runs no bfloat16 x bfloat16 -> float32 dot outside its XNNPACK fusion)."""
     general = _general(implementation)
+    if implementation == "tokamax" and va.dtype == vb.dtype == jnp.bfloat16:
+        # bfloat16 x bfloat16 products are exact in float32, so DEFAULT is HIGHEST's arithmetic here; tokamax's
+        # kernels take only the default precision (another one falls through to its XLA implementation)
+        precision = None
 
     def dot(a, b):
         return general(a, b, group_sizes, dimension_numbers, precision=precision, preferred_element_type=jnp.float32)
