@@ -78,7 +78,9 @@ for step in "${steps[@]}"; do
     ep2) run ep2 --mesh 1x1x1x2 ;;
     ep2-cf) run ep2-cf --mesh 1x1x1x2 --capacity-factor 1.25 ;;
     one) run one ;;
-    ep2-tokamax) run ep2-tokamax --mesh 1x1x1x2 --grouped-gemm tokamax ;;
+    ep2-tokamax) python3 -P -c "from tokamax._src.ops.ragged_dot import api; print('tokamax ragged_dot:', \
+                   sorted(api.IMPLEMENTATIONS), 'default', api._DEFAULT_IMPLEMENTATION)"  # (a private table)
+                 run ep2-tokamax --mesh 1x1x1x2 --grouped-gemm tokamax ;;
     one-tokamax) run one-tokamax --grouped-gemm tokamax ;;
     ep2-cudnn) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_use_ragged_dot_fusion=true" run ep2-cudnn --mesh 1x1x1x2 ;;
     ep4) run ep4 --mesh 1x1x1x4 ;;

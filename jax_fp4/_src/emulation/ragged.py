@@ -21,7 +21,7 @@ from jax_fp4._src.emulation.product import cpu_float32_operands
 __all__ = ["IMPLEMENTATIONS", "check_implementation", "ragged_product", "ragged_dot_plain"]
 
 IMPLEMENTATIONS = ("xla", "tokamax")
-_TOKAMAX_ORDER = ("mosaic", "triton", "xla")  # tokamax tries each in turn; "xla" takes every shape
+_TOKAMAX_ORDER = None  # tokamax's default: its kernels available here in turn, then its XLA implementation
 
 
 def check_implementation(implementation, where: str) -> str:
