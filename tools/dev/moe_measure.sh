@@ -18,7 +18,8 @@
 # pass through (e.g. --xla_gpu_experimental_use_ragged_dot_fusion=true where the jaxlib has cuDNN's ragged dot).
 # WHEELS=DIR installs the wheels in DIR (--no-index --no-deps) into /tmp/extra, on PYTHONPATH after /tmp/site: the
 # tokamax steps need tokamax and its dependencies (tokamax, einshape, jaxtyping, wadler-lindig, pydantic,
-# pydantic-core, annotated-types, typing-inspection, typeguard 2.13.3, immutabledict, tensorboardx, protobuf, qwix)
+# pydantic-core, annotated-types, typing-inspection, typeguard 2.13.3, immutabledict, qwix; tensorboardx only for its
+# benchmarks)
 # on a machine without a package index.
 set -uo pipefail
 R="$PWD"
