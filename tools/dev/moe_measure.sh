@@ -17,10 +17,8 @@
 # (one recipe per call keeps a call short); /tmp/site is reused when it holds a build (REBUILD=1 rebuilds); XLA_FLAGS
 # pass through (e.g. --xla_gpu_experimental_use_ragged_dot_fusion=true where the jaxlib has cuDNN's ragged dot).
 # WHEELS=DIR installs the wheels in DIR (--no-index --no-deps) into /tmp/extra, on PYTHONPATH after /tmp/site: the
-# tokamax steps need tokamax and its dependencies (tokamax, einshape, jaxtyping, wadler-lindig, pydantic,
-# pydantic-core, annotated-types, typing-inspection, typeguard 2.13.3, immutabledict, qwix; tensorboardx only for its
-# benchmarks)
-# on a machine without a package index.
+# tokamax steps need tokamax 0.0.12 and what it imports (einshape, jaxtyping, wadler-lindig, pydantic, pydantic-core,
+# annotated-types, typing-inspection, typeguard 2.13.3, immutabledict, qwix) on a machine without a package index.
 set -uo pipefail
 R="$PWD"
 OUT="${OUT:-/tmp/out}"
