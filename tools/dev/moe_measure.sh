@@ -16,6 +16,7 @@
 # Environment: STEPS (default 30) sets --steps; RECIPES (default bf16,nvfp4-fwd-mxfp8-bwd) the recipes of each run
 # (one recipe per call keeps a call short); /tmp/site is reused when it holds a build (REBUILD=1 rebuilds); XLA_FLAGS
 # pass through (e.g. --xla_gpu_experimental_use_ragged_dot_fusion=true where the jaxlib has cuDNN's ragged dot).
+# CUTLASS_WHEEL=FILE builds against that nvidia-cutlass wheel (a machine without a package index; else from PyPI).
 # WHEELS=DIR installs the wheels in DIR (--no-index --no-deps) into /tmp/extra, on PYTHONPATH after /tmp/site: the
 # tokamax steps need tokamax 0.0.12 and what it imports (einshape, jaxtyping, wadler-lindig, pydantic, pydantic-core,
 # annotated-types, typing-inspection, typeguard 2.13.3, immutabledict, qwix) on a machine without a package index.
@@ -31,8 +32,10 @@ S=$(date +%s)
 if [ -d /tmp/site/jax_fp4 ] && [ -z "${REBUILD:-}" ]; then
   echo "build: reusing /tmp/site"
 else
-  python3 -m pip install -q nvidia-cutlass==4.2.0.0 > "$OUT/cutlass.log" 2>&1
-  python3 -m pip install --no-build-isolation --no-deps --target /tmp/site . > "$OUT/build.log" 2>&1
+  python3 -m pip install -q --no-deps --target /tmp/cutlass "${CUTLASS_WHEEL:-nvidia-cutlass==4.2.0.0}" \
+    > "$OUT/cutlass.log" 2>&1
+  PYTHONPATH=/tmp/cutlass python3 -m pip install --no-build-isolation --no-deps --target /tmp/site . \
+    > "$OUT/build.log" 2>&1
   echo "build rc=$? $(( $(date +%s) - S ))s"
 fi
 if [ -n "${WHEELS:-}" ]; then
