@@ -91,6 +91,27 @@ def test_precision_study_jobs_and_flags():
     assert lm_stats.split_name("bf16+repeat2@s3") == ("bf16+repeat2", 3)
 
 
+def test_precision_study_keeps_finished_runs_and_merges_them(tmp_path):
+    """Runs with a summary.json are not queued again; with every run finished the study only merges: gaps.json over
+    the union of the runs (two seeds of bf16 and one configuration, as if from two invocations)."""
+    import json
+
+    import precision_study
+
+    jobs = precision_study._jobs(["nvfp4"], [0, 1])
+    for name, val in (("bf16@s0", 1.0), ("nvfp4@s0", 1.02), ("bf16@s1", 1.1)):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "summary.json").write_text(json.dumps({name: _run(val)}))
+    todo, finished = precision_study._pending(jobs, tmp_path)
+    assert [(t, s) for t, _, _, s in todo] == [("nvfp4", 1)] and finished == ["bf16@s0", "bf16@s1", "nvfp4@s0"]
+    (tmp_path / "runs" / "nvfp4@s1").mkdir()
+    (tmp_path / "runs" / "nvfp4@s1" / "summary.json").write_text(json.dumps({"nvfp4@s1": _run(1.1 * 1.03)}))
+    assert precision_study.main(["--seeds", "0", "1", "--configs", "nvfp4", "--out", str(tmp_path)]) == 0
+    gaps = json.loads((tmp_path / "gaps.json").read_text())
+    assert gaps["nvfp4"]["seeds"] == [0, 1]
+    assert gaps["nvfp4"]["gaps_pct"] == pytest.approx([2.0, 3.0])
+
+
 def test_val_tokens_and_deterministic_flags():
     pytest.importorskip("flax")
     import lm_config

@@ -10,7 +10,9 @@ and the same-seed spread of `--repeats`) and written to OUT/gaps.csv, OUT/gaps.j
 OUT/summary.json, with a table on stdout. A gap whose interval contains 0 is reported as unresolved.
 `--deterministic` runs every run bit-reproducibly (train_lm --deterministic). Every run is one process on one GPU
 (many small runs fill the GPUs best); one configuration across processes or hosts is a train_lm.py run of its own
-(its --distributed / --coordinator flags are refused here).
+(its --distributed / --coordinator flags are refused here). A run whose OUT/runs/<run>/summary.json exists is not
+run again: an interrupted study continues, and one split over several invocations (a seed per call on a machine that
+keeps no files: copy each call's OUT/runs together) is merged by invoking it once more over the union.
 
     python examples/lm/precision_study.py --preset small --seeds 0 1 2 --per-gpu 3 --out runs/study
     python examples/lm/precision_study.py --preset tiny --steps 20 --seeds 0 1 2 --configs nvfp4-fwd-mxfp8-bwd \
@@ -73,6 +75,20 @@ def _jobs(configs: list[str], seeds: list[int], repeats: int = 0) -> list[tuple[
     jobs += [(f"bf16+repeat{k}", "bf16", [], seeds[0]) for k in range(1, repeats + 1)]
     jobs += [(c, *CONFIGS[c], s) for s in seeds for c in configs]
     return jobs
+
+
+def _pending(jobs, out: Path):
+    """(jobs still to run, names of finished runs): a run whose directory under out/runs holds its summary.json is
+    done, so a study interrupted (or split over several invocations, e.g. one call per seed on machines that keep no
+    files) continues where it stopped, and the gaps cover every finished run under out/runs."""
+    todo, finished = [], []
+    for job in jobs:
+        name = f"{job[0]}@s{job[3]}"
+        if (out / "runs" / name / "summary.json").is_file():
+            finished.append(name)
+        else:
+            todo.append(job)
+    return todo, finished
 
 
 # A process that starts while another creates its CUDA context on the same GPU was seen to fail JAX's CUDA backend
@@ -142,7 +158,10 @@ def main(argv=None):
     if unknown:
         p.error(f"unknown configuration(s) {unknown}; known: {list(CONFIGS)}")
     q: queue.Queue = queue.Queue()
-    for job in _jobs(configs, args.seeds, args.repeats):
+    jobs, finished = _pending(_jobs(configs, args.seeds, args.repeats), args.out)
+    if finished:
+        print(f"{len(finished)} run(s) already finished under {args.out / 'runs'} (kept): {', '.join(finished)}")
+    for job in jobs:
         q.put(job)
     gpus = args.gpus if args.gpus is not None else list(range(_gpu_count()))
     share = args.mem_fraction if args.mem_fraction is not None else 0.9 / args.per_gpu
