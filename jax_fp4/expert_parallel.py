@@ -202,7 +202,8 @@ def expert_mlp(x2, weights, experts, up, down, *, recipe: Recipe, num_experts: i
     if quantized:
         back = ed.down_combine(recipe, geom, hid, down, r, k_down)
     else:
-        out = ragged_dot(hid, down, sizes, recipe=recipe, key=k_down, implementation=implementation)  # [buf, D_out]
+        # [buf, D_out]; rows past the groups: 0
+        out = ragged_dot(hid, down, sizes, recipe=recipe, key=k_down, implementation=implementation)
         back = _exchange(out[rows], axis_name, n)  # [n * C, D_out] in this device's send rows
     back = jnp.concatenate([checkpoint_name(back, SAVE_NAME), jnp.zeros((1, back.shape[1]), back.dtype)])
     return jnp.einsum("tk,tko->to", weights, back[slot].astype(jnp.float32)).astype(back.dtype)

@@ -20,8 +20,7 @@ from jax_fp4._src.emulation.product import cpu_float32_operands
 
 __all__ = ["IMPLEMENTATIONS", "check_implementation", "ragged_product", "ragged_dot_plain"]
 
-IMPLEMENTATIONS = ("xla", "tokamax")
-_TOKAMAX_ORDER = None  # tokamax's default: its kernels available here in turn, then its XLA implementation
+IMPLEMENTATIONS = ("xla", "tokamax")  # tokamax picks among its kernels that imported, then its XLA implementation
 
 
 def check_implementation(implementation, where: str) -> str:
@@ -54,8 +53,7 @@ def _tokamax():
 
 def _general(implementation):
     if implementation == "tokamax":
-        tk = _tokamax()
-        return lambda *a, **kw: tk.ragged_dot_general(*a, **kw, implementation=_TOKAMAX_ORDER)
+        return _tokamax().ragged_dot_general
     return lax.ragged_dot_general
 
 
@@ -79,5 +77,5 @@ def ragged_dot_plain(lhs, rhs, group_sizes, implementation: str = "xla"):
     """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` (a BF16 recipe's expert GEMM, differentiated by the library's own
     rule), or tokamax's; the result in the promoted input dtype."""
     if implementation == "tokamax":
-        return _tokamax().ragged_dot(lhs, rhs, group_sizes, implementation=_TOKAMAX_ORDER)
+        return _tokamax().ragged_dot(lhs, rhs, group_sizes)
     return lax.ragged_dot(lhs, rhs, group_sizes)
