@@ -7,7 +7,10 @@ tabulated t_{0.975, 2} = 4.303), not copied from the code under test."""
 from __future__ import annotations
 
 import csv
+import json
 import math
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -21,6 +24,13 @@ import lm_stats  # noqa: E402
 
 def _run(val, seq=None, det=False):
     return {"val_loss": val, "val_seq_losses": seq, "deterministic": det}
+
+
+def _write_runs(out: Path, runs) -> None:
+    """OUT/runs/<name>/summary.json of each (name, validation loss), as a finished train_lm run writes it."""
+    for name, val in runs:
+        (out / "runs" / name).mkdir(parents=True, exist_ok=True)
+        (out / "runs" / name / "summary.json").write_text(json.dumps({name: _run(val)}))
 
 
 def test_t_interval_and_standard_error():
@@ -94,22 +104,150 @@ def test_precision_study_jobs_and_flags():
 def test_precision_study_keeps_finished_runs_and_merges_them(tmp_path):
     """Runs with a summary.json are not queued again; with every run finished the study only merges: gaps.json over
     the union of the runs (two seeds of bf16 and one configuration, as if from two invocations)."""
-    import json
-
     import precision_study
 
     jobs = precision_study._jobs(["nvfp4"], [0, 1])
-    for name, val in (("bf16@s0", 1.0), ("nvfp4@s0", 1.02), ("bf16@s1", 1.1)):
-        (tmp_path / "runs" / name).mkdir(parents=True)
-        (tmp_path / "runs" / name / "summary.json").write_text(json.dumps({name: _run(val)}))
+    _write_runs(tmp_path, (("bf16@s0", 1.0), ("nvfp4@s0", 1.02), ("bf16@s1", 1.1)))
     todo, finished = precision_study._pending(jobs, tmp_path)
     assert [(t, s) for t, _, _, s in todo] == [("nvfp4", 1)] and finished == ["bf16@s0", "bf16@s1", "nvfp4@s0"]
-    (tmp_path / "runs" / "nvfp4@s1").mkdir()
-    (tmp_path / "runs" / "nvfp4@s1" / "summary.json").write_text(json.dumps({"nvfp4@s1": _run(1.1 * 1.03)}))
+    _write_runs(tmp_path, [("nvfp4@s1", 1.1 * 1.03)])
     assert precision_study.main(["--seeds", "0", "1", "--configs", "nvfp4", "--out", str(tmp_path)]) == 0
     gaps = json.loads((tmp_path / "gaps.json").read_text())
     assert gaps["nvfp4"]["seeds"] == [0, 1]
     assert gaps["nvfp4"]["gaps_pct"] == pytest.approx([2.0, 3.0])
+
+
+def _no_subprocess(*args, **kwargs):
+    raise AssertionError(f"no process may start: {args}")
+
+
+def test_precision_study_merge_only(tmp_path, monkeypatch, capsys):
+    """--merge-only trains nothing: it merges the finished runs under OUT/runs (a run without summary.json is left
+    out) into summary.json and the gaps files, the plot titled with the seeds of the run names; with no finished run
+    it is a usage error."""
+    import precision_study
+
+    monkeypatch.setattr(precision_study.subprocess, "run", _no_subprocess)
+    titles = []
+    monkeypatch.setattr(precision_study.lm_stats, "plot_gaps", lambda out, gaps, title: titles.append(title))
+    runs = {"bf16@s3": 1.0, "nvfp4@s3": 1.02, "bf16@s5": 1.1, "nvfp4@s5": 1.1 * 1.03, "mxfp8@s5": 1.105}
+    _write_runs(tmp_path, runs.items())
+    (tmp_path / "runs" / "mxfp8@s3").mkdir()  # a failed run: its train.log only
+    (tmp_path / "runs" / "mxfp8@s3" / "train.log").write_text("Traceback")
+    assert precision_study.main(["--merge-only", "--preset", "tiny", "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader((tmp_path / "gaps.csv").open()))
+    assert [r["configuration"] for r in rows] == ["bf16", "mxfp8", "nvfp4"]
+    assert set(json.loads((tmp_path / "summary.json").read_text())) == set(runs)
+    gaps = json.loads((tmp_path / "gaps.json").read_text())
+    assert gaps["nvfp4"]["seeds"] == [3, 5] and gaps["nvfp4"]["gaps_pct"] == pytest.approx([2.0, 3.0])
+    assert titles == ["--preset tiny, seeds 3 5"]  # the seeds found, not the --seeds default
+    assert "nvfp4" in capsys.readouterr().out
+    (tmp_path / "empty" / "runs" / "bf16@s0").mkdir(parents=True)  # a run that never finished
+    with pytest.raises(SystemExit) as e:
+        precision_study.main(["--merge-only", "--out", str(tmp_path / "empty")])
+    assert e.value.code == 2 and "no finished run under" in capsys.readouterr().err
+    assert not (tmp_path / "empty" / "summary.json").exists()
+
+
+def test_precision_study_run_dirs_share_one_tokenizer(tmp_path):
+    """Each run's tokenizer cache is the relative link runs/<run>/tokenizer -> ../../tokenizer (valid in a copy of
+    the study); a finished run and a tokenizer directory of its own are left alone."""
+    import precision_study
+
+    run = precision_study._prepare_run_dir(tmp_path, "bf16@s0")
+    link = run / "tokenizer"
+    assert run == tmp_path / "runs" / "bf16@s0" and link.is_symlink()
+    assert os.readlink(link) == os.path.join("..", "..", "tokenizer")
+    assert link.resolve() == (tmp_path / "tokenizer").resolve()
+    assert precision_study._prepare_run_dir(tmp_path, "bf16@s0") == run and link.is_symlink()  # again: unchanged
+    (tmp_path / "tokenizer" / "bpe-300-x.json").write_text("{}")
+    assert (link / "bpe-300-x.json").read_text() == "{}"
+    copy = shutil.copytree(tmp_path, tmp_path.parent / f"{tmp_path.name}-copy", symlinks=True)
+    assert (copy / "runs" / "bf16@s0" / "tokenizer").resolve() == (copy / "tokenizer").resolve()
+    own = tmp_path / "runs" / "x@s0" / "tokenizer"
+    own.mkdir(parents=True)
+    precision_study._prepare_run_dir(tmp_path, "x@s0")
+    assert own.is_dir() and not own.is_symlink()
+    _write_runs(tmp_path, [("y@s0", 1.0)])
+    precision_study._prepare_run_dir(tmp_path, "y@s0")
+    assert not (tmp_path / "runs" / "y@s0" / "tokenizer").exists()
+
+
+def test_precision_study_launches_runs_on_the_shared_tokenizer(tmp_path, monkeypatch):
+    """The study launches each unfinished run (train_lm replaced by a stand-in that writes its summary) with
+    --out/tokenizer already the link to OUT/tokenizer, then merges."""
+    import types
+
+    import precision_study
+
+    launched = []
+
+    def fake_run(cmd, **kwargs):
+        if cmd[0] == "nvidia-smi":
+            raise OSError("no GPUs here")
+        out = Path(cmd[cmd.index("--out") + 1])
+        assert (out / "tokenizer").resolve() == (tmp_path / "tokenizer").resolve()
+        launched.append(out.name)
+        _write_runs(tmp_path, [(out.name, 1.02 if out.name.startswith("nvfp4") else 1.0)])
+        return types.SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(precision_study.subprocess, "run", fake_run)
+    _write_runs(tmp_path, [("bf16@s0", 1.0)])  # finished: not launched, not linked
+    argv = ["--preset", "tiny", "--seeds", "0", "--configs", "nvfp4", "--out", str(tmp_path)]
+    assert precision_study.main(argv) == 0
+    assert launched == ["nvfp4@s0"] and not (tmp_path / "runs" / "bf16@s0" / "tokenizer").exists()
+    assert json.loads((tmp_path / "gaps.json").read_text())["nvfp4"]["gaps_pct"] == pytest.approx([2.0])
+
+
+def _tiny_corpus():
+    import lm_data
+
+    root = Path(__file__).resolve().parents[1] / "examples" / "lm"
+    data = np.frombuffer(b"".join(p.read_bytes() for p in sorted(root.glob("lm_*.py"))[:3]), np.uint8)
+    cut = data.size * 9 // 10
+    return lm_data.Corpus(data[:cut], data[cut:], "test")
+
+
+def test_tokenize_corpus_cache_is_written_whole(tmp_path):
+    """The cache holds exactly the tokenizer and the token ids (no temporary file left), a second call loads them,
+    concurrent writers into one cache agree, and a failed write leaves nothing behind."""
+    pytest.importorskip("tokenizers")
+    import threading
+
+    import lm_tokenizer
+
+    corpus = _tiny_corpus()
+    key = lm_tokenizer.cache_key(corpus, 300, lm_tokenizer.TRAIN_BYTES)
+    c1 = lm_tokenizer.tokenize_corpus(corpus, 300, tmp_path, log=lambda s: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"bpe-300-{key}.json", f"tokens-{key}.npz"]
+    logs = []
+    c2 = lm_tokenizer.tokenize_corpus(corpus, 300, tmp_path, log=logs.append)
+    assert "(cached)" in logs[0]
+    np.testing.assert_array_equal(c1.train, c2.train)
+    np.testing.assert_array_equal(c1.val, c2.val)
+    assert lm_tokenizer.load(tmp_path / f"bpe-300-{key}.json").get_vocab_size() == 300
+    shared, results = tmp_path / "shared", []
+
+    def tokenize():
+        results.append(lm_tokenizer.tokenize_corpus(corpus, 300, shared, log=lambda s: None))
+
+    threads = [threading.Thread(target=tokenize) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 4
+    assert sorted(p.name for p in shared.iterdir()) == [f"bpe-300-{key}.json", f"tokens-{key}.npz"]
+    for c in results:
+        np.testing.assert_array_equal(c.train, c1.train)
+
+    def fail(f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        lm_tokenizer._write_atomic(tmp_path / "x.npz", fail)
+    assert not any(p.name.startswith(("x.npz", ".x.npz")) for p in tmp_path.iterdir())
 
 
 def test_val_tokens_and_deterministic_flags():
@@ -130,8 +268,6 @@ def test_val_tokens_and_deterministic_flags():
 
 
 def test_gap_scaling(tmp_path, capsys):
-    import json
-
     import gap_scaling
 
     for name, params, gap in (("s", 7_000_000, 0.02), ("m", 85_000_000, 0.01)):

@@ -12,7 +12,10 @@ U+FFFD). No download: the corpus is what lm_data loads (the Python sources on th
 Deterministic: the same corpus bytes, vocabulary size, ``train_bytes`` and tokenizers version give the same
 tokenizer.json and the same token ids (the trainer breaks count ties by the pair itself; the chunks are fed in
 corpus order). The tokenizer and the encoded splits are cached in ``cache_dir`` under a key hashing all of these
-(a changed corpus trains a new one). Token ids are stored as uint16 (vocab_size <= 65536).
+(a changed corpus trains a new one). Token ids are stored as uint16 (vocab_size <= 65536). Each cache file is
+written to a temporary file in ``cache_dir`` and renamed into place (`os.replace`), so runs sharing one cache
+directory (precision_study.py links every run's to one) may train at the same time: a reader finds a complete file
+or none, never a partial one.
 
 bytes_per_token: the validation split's bytes / its tokens, which turns a loss in nats per token into bits per
 byte (loss / ln 2 / bytes_per_token), comparable with byte-level runs.
@@ -23,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +94,19 @@ def cache_key(corpus, vocab_size: int, train_bytes: int) -> str:
     return h.hexdigest()[:16]
 
 
+def _write_atomic(path: Path, write):
+    """Writes `path` through `write(binary file)` into a temporary file of the same directory (named after the
+    process and thread, so concurrent writers do not share one), then renames it to `path`: the file appears complete
+    or not at all. The temporary file is removed when `write` fails."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def tokenize_corpus(corpus, vocab_size: int, cache_dir: Path, train_bytes: int = TRAIN_BYTES, log=print):
     """The byte corpus (lm_data.Corpus, uint8 splits) as BPE token ids: a Corpus with uint16 train / val splits,
     ``vocab`` = vocab_size and ``bytes_per_token``; the tokenizer is trained (or loaded from `cache_dir`) as the
@@ -104,8 +122,8 @@ def tokenize_corpus(corpus, vocab_size: int, cache_dir: Path, train_bytes: int =
         tok = train_bpe(_chunks(corpus.train, train_bytes), vocab_size)
         train, val = encode(tok, corpus.train), encode(tok, corpus.val)
         cache_dir.mkdir(parents=True, exist_ok=True)
-        tok.save(str(tok_path))
-        np.savez(ids_path, train=train, val=val)
+        _write_atomic(ids_path, lambda f: np.savez(f, train=train, val=val))
+        _write_atomic(tok_path, lambda f: f.write(tok.to_str(pretty=True).encode()))
         log(f"tokenizer: trained {tok.get_vocab_size()} tokens on {min(corpus.train.size, train_bytes) / 1e6:.1f} MB "
             f"-> {tok_path}")
     bpt = corpus.val.size / max(val.size, 1)

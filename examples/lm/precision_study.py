@@ -13,10 +13,16 @@ OUT/summary.json, with a table on stdout. A gap whose interval contains 0 is rep
 (its --distributed / --coordinator flags are refused here). A run whose OUT/runs/<run>/summary.json exists is not
 run again: an interrupted study continues, and one split over several invocations (a seed per call on a machine that
 keeps no files: copy each call's OUT/runs together) is merged by invoking it once more over the union.
+`--merge-only` trains nothing: it merges every finished run under OUT/runs (e.g. the runs directories of a study
+split over several machines, copied together) into the same OUT/summary.json, gaps files and table.
+The runs share one BPE tokenizer: each run's tokenizer cache (OUT/runs/<run>/tokenizer) is a relative link to
+OUT/tokenizer, so the tokenizer is trained once per study, not once per run (runs starting together may each train
+it; lm_tokenizer writes the cache files atomically), and a copied study keeps its links.
 
     python examples/lm/precision_study.py --preset small --seeds 0 1 2 --per-gpu 3 --out runs/study
     python examples/lm/precision_study.py --preset tiny --steps 20 --seeds 0 1 2 --configs nvfp4-fwd-mxfp8-bwd \
         --out runs/study-cpu            # on the CPU: one run at a time
+    python examples/lm/precision_study.py --preset small --merge-only --out runs/study   # runs/study/runs copied in
 
 Configurations are named in CONFIGS (recipe plus train_lm precision flags); `--configs a,b` picks some. Extra
 arguments after `--` go to every train_lm.py run (e.g. `-- --eval-batches 8`).
@@ -91,6 +97,63 @@ def _pending(jobs, out: Path):
     return todo, finished
 
 
+def _prepare_run_dir(out: Path, name: str) -> Path:
+    """OUT/runs/<name>, created, with its tokenizer cache (train_lm's --out/tokenizer) a link to the study's
+    OUT/tokenizer, given as the relative "../../tokenizer" so a copied study stays valid. A finished run's directory
+    (one with a summary.json) and a tokenizer directory that is not a link are left as they are; a link pointing
+    elsewhere is replaced. Without symbolic links (OSError) the run keeps a cache of its own."""
+    run = out / "runs" / name
+    run.mkdir(parents=True, exist_ok=True)
+    if (run / "summary.json").is_file():
+        return run
+    link = run / "tokenizer"
+    target = Path("..", "..", "tokenizer")
+    (out / "tokenizer").mkdir(exist_ok=True)
+    try:
+        if link.is_symlink():
+            if Path(os.readlink(link)) == target:
+                return run
+            link.unlink()
+        elif link.exists():
+            return run
+        link.symlink_to(target, target_is_directory=True)
+    except OSError:
+        pass
+    return run
+
+
+def _run_seeds(names) -> list[int]:
+    """The seeds named by the run names ("<configuration>@s<seed>"), sorted."""
+    return sorted({seed for seed in (lm_stats.split_name(n)[1] for n in names) if seed is not None})
+
+
+def _merged(out: Path) -> dict:
+    """{"<configuration>@s<seed>": summary} of every finished run under OUT/runs (each run's directory names it; a
+    summary.json holding other than one run is left out)."""
+    merged = {}
+    for summary in sorted((out / "runs").glob("*/summary.json")):
+        runs = json.loads(summary.read_text())
+        if len(runs) == 1:
+            merged[summary.parent.name] = next(iter(runs.values()))
+    return merged
+
+
+def _report(out: Path, merged: dict, preset: str, seeds: list[int] | None = None, deterministic: bool = False) -> dict:
+    """Writes the merged runs to OUT/summary.json and their gaps to OUT/gaps.csv, gaps.json and gaps.png (titled
+    with the preset, the seeds - those of the run names when `seeds` is None - and "deterministic" when
+    `deterministic` or every run was), and prints the gap table; returns the gaps (lm_stats.seed_gaps)."""
+    (out / "summary.json").write_text(json.dumps(merged, indent=1))
+    gaps = lm_stats.seed_gaps(merged)
+    lm_stats.write_gaps(out, gaps)
+    seeds = _run_seeds(merged) if seeds is None else seeds
+    deterministic = deterministic or (bool(merged) and all(s.get("deterministic") for s in merged.values()))
+    title = f"--preset {preset}, seeds {' '.join(map(str, seeds))}" + (", deterministic" if deterministic else "")
+    lm_stats.plot_gaps(out, gaps, title)
+    print(f"gap to bf16 over seeds ({out / 'gaps.csv'}):")
+    print(lm_stats.format_gaps(gaps))
+    return gaps
+
+
 # A process that starts while another creates its CUDA context on the same GPU was seen to fail JAX's CUDA backend
 # initialisation ("no supported devices found") on a 4-GPU H200 host; such a start is retried.
 _START_FAILURE = "Unable to initialize backend 'cuda'"
@@ -104,7 +167,7 @@ def _worker(q: queue.Queue, gpu: int | None, mem_fraction: float, args, extra: l
             tag, recipe, flags, seed = q.get_nowait()
         except queue.Empty:
             return
-        out = args.out / "runs" / f"{tag}@s{seed}"
+        out = _prepare_run_dir(args.out, f"{tag}@s{seed}")
         cmd = [sys.executable, str(script), "--recipe", recipe, "--preset", args.preset, "--seeds", str(seed),
                "--out", str(out), "--no-progress", *flags, *extra]
         if args.steps:
@@ -115,7 +178,6 @@ def _worker(q: queue.Queue, gpu: int | None, mem_fraction: float, args, extra: l
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
             env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{mem_fraction:.2f}"
-        out.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
         for attempt in range(_START_ATTEMPTS):
             with (out / "train.log").open("w") as log:
@@ -144,6 +206,9 @@ def main(argv=None):
                    help="run bf16 of the first seed K more times (bf16+repeat<k>): the same-seed spread")
     p.add_argument("--deterministic", action="store_true",
                    help="every run with train_lm --deterministic (bit-reproducible; the same-seed spread is 0)")
+    p.add_argument("--merge-only", action="store_true",
+                   help="train nothing: merge the finished runs under OUT/runs (e.g. copied from several machines) "
+                        "into OUT/summary.json and the gaps files")
     p.add_argument("--out", type=Path, default=Path("runs/study"))
     args, extra = p.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
@@ -157,6 +222,13 @@ def main(argv=None):
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         p.error(f"unknown configuration(s) {unknown}; known: {list(CONFIGS)}")
+    if args.merge_only:
+        merged = _merged(args.out)
+        if not merged:
+            p.error(f"--merge-only: no finished run under {args.out / 'runs'} (no runs/<run>/summary.json of one run)")
+        print(f"merged {len(merged)} run(s) from {args.out / 'runs'}: {', '.join(merged)}")
+        _report(args.out, merged, args.preset, deterministic=args.deterministic)
+        return 0
     q: queue.Queue = queue.Queue()
     jobs, finished = _pending(_jobs(configs, args.seeds, args.repeats), args.out)
     if finished:
@@ -174,21 +246,10 @@ def main(argv=None):
         time.sleep(2)  # stagger the start-ups (corpus loading, compiles)
     for t in threads:
         t.join()
-    merged = {}  # {"<configuration>@s<seed>": summary}: each run's directory names it
-    for summary in sorted((args.out / "runs").glob("*/summary.json")):
-        runs = json.loads(summary.read_text())
-        if len(runs) == 1:
-            merged[summary.parent.name] = next(iter(runs.values()))
-    (args.out / "summary.json").write_text(json.dumps(merged, indent=1))
-    gaps = lm_stats.seed_gaps(merged)
-    lm_stats.write_gaps(args.out, gaps)
-    lm_stats.plot_gaps(args.out, gaps, f"--preset {args.preset}, seeds {' '.join(map(str, args.seeds))}"
-                       + (", deterministic" if args.deterministic else ""))
     failed = [(t, s, rc) for t, s, rc, _ in done if rc != 0]
     print(f"\n{len(done)} runs in {time.time() - t0:.0f} s over {len(slots)} slot(s)"
           + (f"; FAILED: {failed} (see {args.out}/runs/<run>/train.log)" if failed else ""))
-    print(f"gap to bf16 over seeds ({args.out / 'gaps.csv'}):")
-    print(lm_stats.format_gaps(gaps))
+    _report(args.out, _merged(args.out), args.preset, args.seeds, args.deterministic)
     return 1 if failed else 0
 
 
