@@ -6,7 +6,10 @@
 * on a GPU (marker gpu) tokamax's kernels and XLA's lowering are two GEMM libraries over the same exact operands with
   float32 accumulation: they agree to the float32 summation bound over the contracted length (K, N, or the group's
   rows) plus each result's one rounding to bfloat16;
-* errors: an unknown implementation, and "tokamax" without tokamax (ImportError naming the extra).
+* ExpertParallelMoEMLP on a data x expert mesh of forced CPU devices: "tokamax" (a shard_map that does not check
+  varying axes) against "xla";
+* errors: an unknown implementation, "tokamax" without tokamax (ImportError naming the extra), and a tokamax release
+  that does not run under the installed jax (ImportError naming both versions).
 """
 
 from __future__ import annotations
@@ -119,3 +122,85 @@ def test_errors(monkeypatch):
 
     with pytest.raises(ImportError, match=r"jax_fp4\[tokamax\]"):
         MoEMLP(64, 64, 4, recipe=recipes.by_name("bf16"), implementation="tokamax", rngs=nnx.Rngs(0))
+
+
+
+EP_SCRIPT = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jax_fp4 import recipes
+from jax_fp4.flax.moe import MoEMLP
+from jax_fp4.flax.moe_ep import ExpertParallelMoEMLP
+
+mesh = jax.make_mesh((2, 2), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+x = jnp.asarray(np.random.default_rng(1).standard_normal((8, 16, 64)), jnp.bfloat16)
+xs = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
+loss = lambda m, x: jnp.sum(m(x).astype(jnp.float32) * jnp.cos(jnp.arange(64.0)))  # noqa: E731
+
+
+def run(m, x):
+    val, (g, dx) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))(m, x)
+    grads = {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(nnx.state(g))}
+    return np.asarray(val), grads, np.asarray(dx)
+
+
+def same(a, b):
+    return bool(np.array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8)))
+
+
+out = {}
+for name in ("bf16", "nvfp4-fwd-mxfp8-bwd"):  # bf16 dispatch; quantized dispatch
+    args = dict(recipe=recipes.by_name(name), top_k=2, dtype=jnp.bfloat16)  # every layer: the same initial values
+    (v0, g0, dx0), (v1, g1, dx1) = (
+        run(ExpertParallelMoEMLP(64, 64, 8, mesh=mesh, batch_axes=("data", "expert"), implementation=i,
+                                 rngs=nnx.Rngs(params=0, quantize=1), **args), xs)
+        for i in ("xla", "tokamax"))
+    # each data replica's half through the replicated layer: its expert gradients a and b
+    halves = [run(MoEMLP(64, 64, 8, rngs=nnx.Rngs(params=0, quantize=1), **args), h)[1] for h in (x[:4], x[4:])]
+    experts = [k for k in g0 if "up" in k or "down" in k]
+    excess = {}  # |g - (a + b)| over 2 u (|a| + |b|) (1 + u), u = 2^-8, for xla and tokamax
+    for k in experts:
+        a, b = (h[k].astype(np.float64) for h in halves)
+        bound = np.maximum(2 * 2.0**-8 * (abs(a) + abs(b)) * (1 + 2.0**-8), 1e-30)
+        excess[k] = [float(np.max(np.abs(g[k] - (a + b)) / bound)) for g in (g0, g1)]
+    out[name] = dict(loss=same(v0, v1), dx=same(dx0, dx1), excess=excess,
+                     experts={k: same(g0[k], g1[k]) for k in experts},
+                     others={k: same(g0[k], g1[k]) for k in g0 if k not in experts})
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="tokamax runs its XLA implementation on the CPU only")
+def test_expert_parallel_with_tokamax_on_cpu_devices():
+    """ExpertParallelMoEMLP on a data x expert mesh (2 x 2 forced CPU devices), "tokamax" against "xla", for the bf16
+    and the quantized dispatch. With tokamax the shard_map does not check varying axes (tokamax's kernels declare
+    none), and its transpose, not the body's, sums the experts' gradients over the data axis: the loss, dx and the
+    router and norm gradients equal "xla"'s bit for bit; with the bf16 dispatch each expert kernel's gradient is, as
+    "xla"'s, the sum of the two replicas' gradients a + b within the roundings to bfloat16, 2 u (|a| + |b|) (1 + u)
+    with u = 2^-8 (docs/numerics.md section 9), the two rounding at different places; with the quantized dispatch
+    the expert gradients equal "xla"'s bit for bit."""
+    from _cpu_devices import run_results
+
+    (out,) = run_results(EP_SCRIPT, devices=4)
+    for name, r in out.items():
+        assert r["loss"] and r["dx"] and r["others"] and all(r["others"].values()), (name, r)
+        if name == "bf16":  # the bf16 dispatch: both within the rounding bound of a + b
+            assert all(e <= 1 for pair in r["excess"].values() for e in pair), (name, r["excess"])
+        else:  # the quantized dispatch's wgrad sums its float32 partials the same way in both
+            assert r["experts"] and all(r["experts"].values()), (name, r["experts"])
+
+
+def test_tokamax_and_jax_releases():
+    """tokamax <= 0.0.12 passes the Pallas Mosaic GPU kernel `out_shape=` that jax 0.11 removed; tokamax >= 0.0.13
+    needs jax >= 0.11: a mismatched pair is refused with both versions named, a matched one (the installed) passes."""
+    from jax_fp4._src.emulation import ragged
+
+    assert ragged._version_pair(jax.__version__, tokamax.__version__) is None  # pip resolved a matching pair
+    assert ragged._version_pair("0.10.2", "0.0.12") is None
+    assert ragged._version_pair("0.11.2", "0.0.17") is None
+    assert ragged._version_pair("0.12.0", "0.0.13") is None
+    msg = ragged._version_pair("0.11.2", "0.0.12")
+    assert "tokamax 0.0.12 does not run under jax 0.11.2" in msg and ">= 0.0.13" in msg
+    assert "<= 0.0.12" in ragged._version_pair("0.10.2", "0.0.17")

@@ -122,8 +122,11 @@ class ExpertParallelMoEMLP(MoEMLP):
 
         tok, exp = P(self.batch_axes, None), P(self.expert_axis, None, None)
         keys = P() if key is not None else None
-        y = jax.shard_map(body, mesh=self.mesh, in_specs=(tok, tok, tok, exp, exp, keys), out_specs=tok)(
-            x2, weights, experts, up, down, key)
+        # tokamax's Pallas kernels (Triton, Mosaic GPU) declare outputs that vary over no mesh axis, which a
+        # shard_map that checks varying axes refuses; unchecked, shard_map's transpose itself sums the gradient of
+        # an input replicated over the other batch axes (the experts) over those axes, so the result is the same.
+        y = jax.shard_map(body, mesh=self.mesh, in_specs=(tok, tok, tok, exp, exp, keys), out_specs=tok,
+                          check_vma=self.implementation != "tokamax")(x2, weights, experts, up, down, key)
         y = y.reshape(*lead, self.out_features)
         if not (return_aux_loss or return_load):
             return y

@@ -13,6 +13,7 @@ accumulation; on GPUs their summation orders differ, as two GEMM libraries' do.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -44,11 +45,35 @@ def _tokamax():
     except ImportError as e:
         raise ImportError("implementation='tokamax' needs the tokamax package: pip install 'jax_fp4[tokamax]' "
                           f"(or pip install tokamax) ({e})") from None
+    pair = _version_pair(jax.__version__, getattr(tokamax, "__version__", "0"))
+    if pair is not None:
+        raise ImportError(pair)
     # tokamax reads its options as absl flags and, when nothing parsed them, parses sys.argv: a program with its own
     # command line (pytest, train_lm.py) then fails on its first flag. Unparsed, the flags take their defaults.
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
     return tokamax
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in version.split(".")[:3])
+
+
+# jax 0.11 renamed the Pallas Mosaic GPU kernel's `out_shape=` to `out_type=`; tokamax <= 0.0.12 passes out_shape=
+# (its kernels fail at trace time with "Mesh.__init__() got an unexpected keyword argument 'out_shape'") and
+# tokamax >= 0.0.13 requires jax >= 0.11.
+TOKAMAX_FOR_JAX_0_11 = (0, 0, 13)
+
+
+def _version_pair(jax_version: str, tokamax_version: str) -> str | None:
+    """None when this tokamax release runs under this jax release, else the error message naming both."""
+    old_jax, old_tokamax = _release(jax_version) < (0, 11), _release(tokamax_version) < TOKAMAX_FOR_JAX_0_11
+    if old_jax == old_tokamax:
+        return None
+    want = "<= 0.0.12" if old_jax else ">= 0.0.13"
+    return (f"implementation='tokamax': tokamax {tokamax_version} does not run under jax {jax_version} (the Pallas "
+            f"Mosaic GPU kernel API changed in jax 0.11); install tokamax {want}: pip install 'jax_fp4[tokamax]' "
+            "resolves it")
 
 
 def _general(implementation):
