@@ -182,6 +182,6 @@ def plot_gaps(out: Path, gaps: dict, title: str) -> Path | None:
         ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     path = out / "gaps.png"
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
