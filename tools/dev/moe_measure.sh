@@ -18,8 +18,10 @@
 # pass through (e.g. --xla_gpu_experimental_use_ragged_dot_fusion=true where the jaxlib has cuDNN's ragged dot).
 # CUTLASS_WHEEL=FILE builds against that nvidia-cutlass wheel (a machine without a package index; else from PyPI).
 # WHEELS=DIR installs the wheels in DIR (--no-index --no-deps) into /tmp/extra, on PYTHONPATH after /tmp/site: the
-# tokamax steps need tokamax 0.0.12 and what it imports (einshape, jaxtyping, wadler-lindig, pydantic, pydantic-core,
-# annotated-types, typing-inspection, typeguard 2.13.3, immutabledict, qwix) on a machine without a package index.
+# tokamax steps need, on a machine without a package index, the tokamax release that matches its jax (0.0.12 for jax
+# 0.10, >= 0.0.13 for jax >= 0.11: docs/design.md) and what it imports that the machine lacks (for 0.0.17 on jax
+# 0.11.2: einshape, pydantic, pydantic-core, annotated-types, typing-inspection, immutabledict, qwix, tensorboardx,
+# xprof, fire, termcolor, gviz-api).
 set -uo pipefail
 R="$PWD"
 OUT="${OUT:-/tmp/out}"
