@@ -199,6 +199,40 @@ def test_precision_study_launches_runs_on_the_shared_tokenizer(tmp_path, monkeyp
     assert json.loads((tmp_path / "gaps.json").read_text())["nvfp4"]["gaps_pct"] == pytest.approx([2.0])
 
 
+def test_precision_study_gpus_per_run(tmp_path, monkeypatch, capsys):
+    """--gpus-per-run N: the GPUs in consecutive groups of N (a remainder unused), each run's CUDA_VISIBLE_DEVICES one
+    group and its train_lm command the fsdp mesh 1xNx1 unless a --mesh follows `--`; more GPUs per run than GPUs is
+    a usage error."""
+    import types
+
+    import precision_study
+
+    assert precision_study._slots([0, 1, 2, 3], 2, 1, None) == [((0, 1), 0.9), ((2, 3), 0.9)]
+    assert precision_study._slots([0, 1, 2], 2, 2, None) == [((0, 1), 0.45), ((0, 1), 0.45)]
+    assert precision_study._slots([5], 1, 1, 0.5) == [((5,), 0.5)]
+    assert precision_study._slots([], 1, 1, None) == [(None, 0.0)]
+    launched = {}
+
+    def fake_run(cmd, env=None, **kwargs):
+        out = Path(cmd[cmd.index("--out") + 1])
+        mesh = tuple(cmd[i + 1] for i, a in enumerate(cmd) if a == "--mesh")
+        launched[out.name] = (env["CUDA_VISIBLE_DEVICES"], mesh)
+        _write_runs(tmp_path / out.parent.parent.name, [(out.name, 1.0)])
+        return types.SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(precision_study.subprocess, "run", fake_run)
+    monkeypatch.setattr(precision_study.time, "sleep", lambda s: None)
+    argv = ["--seeds", "0", "1", "--configs", "", "--gpus", "0,1,2,3", "--gpus-per-run", "2"]
+    assert precision_study.main(argv + ["--out", str(tmp_path / "a")]) == 0
+    assert len(launched) == 2 and set(launched.values()) <= {("0,1", ("1x2x1",)), ("2,3", ("1x2x1",))}
+    launched.clear()
+    assert precision_study.main(argv + ["--out", str(tmp_path / "b"), "--", "--mesh", "2x1x1"]) == 0
+    assert {m for _, m in launched.values()} == {("2x1x1",)}  # the mesh given, not 1x2x1 as well
+    with pytest.raises(SystemExit) as e:
+        precision_study.main(["--gpus", "0", "--gpus-per-run", "2", "--out", str(tmp_path / "c")])
+    assert e.value.code == 2 and "only 1 GPU(s)" in capsys.readouterr().err
+
+
 def _tiny_corpus():
     import lm_data
 

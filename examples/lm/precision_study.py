@@ -9,8 +9,10 @@ seed paired with bf16 of the same seed; the mean over seeds with its 95 % Studen
 and the same-seed spread of `--repeats`) and written to OUT/gaps.csv, OUT/gaps.json, OUT/gaps.png and
 OUT/summary.json, with a table on stdout. A gap whose interval contains 0 is reported as unresolved.
 `--deterministic` runs every run bit-reproducibly (train_lm --deterministic). Every run is one process on one GPU
-(many small runs fill the GPUs best); one configuration across processes or hosts is a train_lm.py run of its own
-(its --distributed / --coordinator flags are refused here). A run whose OUT/runs/<run>/summary.json exists is not
+(many small runs fill the GPUs best), or on `--gpus-per-run N` GPUs (consecutive ones of --gpus, with train_lm
+`--mesh 1xNx1`, the fsdp mesh, unless a --mesh follows `--`) for models or deterministic steps too slow for one GPU
+within a run's time; one configuration across processes or hosts is a train_lm.py run of its own (its
+--distributed / --coordinator flags are refused here). A run whose OUT/runs/<run>/summary.json exists is not
 run again: an interrupted study continues, and one split over several invocations (a seed per call on a machine that
 keeps no files: copy each call's OUT/runs together) is merged by invoking it once more over the union.
 `--merge-only` trains nothing: it merges every finished run under OUT/runs (e.g. the runs directories of a study
@@ -23,6 +25,7 @@ it; lm_tokenizer writes the cache files atomically), and a copied study keeps it
     python examples/lm/precision_study.py --preset tiny --steps 20 --seeds 0 1 2 --configs nvfp4-fwd-mxfp8-bwd \
         --out runs/study-cpu            # on the CPU: one run at a time
     python examples/lm/precision_study.py --preset small --merge-only --out runs/study   # runs/study/runs copied in
+    python examples/lm/precision_study.py --preset large --gpus-per-run 2 --seeds 0 1 --out runs/study-1b
 
 Configurations are named in CONFIGS (recipe plus train_lm precision flags); `--configs a,b` picks some. Extra
 arguments after `--` go to every train_lm.py run (e.g. `-- --eval-batches 8`).
@@ -160,7 +163,29 @@ _START_FAILURE = "Unable to initialize backend 'cuda'"
 _START_ATTEMPTS = 4
 
 
-def _worker(q: queue.Queue, gpu: int | None, mem_fraction: float, args, extra: list[str], done: list):
+def _slots(gpus: list[int], gpus_per_run: int, per_gpu: int, mem_fraction: float | None):
+    """(GPU ids of one run, its memory share) per concurrent run: the GPUs in consecutive groups of gpus_per_run (a
+    remainder unused), each group per_gpu times; [(None, 0.0)] without GPUs (one run at a time on the CPU)."""
+    share = mem_fraction if mem_fraction is not None else 0.9 / per_gpu
+    groups = [tuple(gpus[i:i + gpus_per_run]) for i in range(0, len(gpus) - gpus_per_run + 1, gpus_per_run)]
+    return [(g, share) for g in groups for _ in range(per_gpu)] or [(None, 0.0)]
+
+
+def _command(script: Path, args, extra: list[str], recipe: str, flags: list[str], seed: int, out: Path,
+             gpus: tuple[int, ...] | None) -> list[str]:
+    """The train_lm.py command line of one run; a run over several GPUs gets --mesh 1xNx1 unless extra has a mesh."""
+    cmd = [sys.executable, str(script), "--recipe", recipe, "--preset", args.preset, "--seeds", str(seed),
+           "--out", str(out), "--no-progress", *flags, *extra]
+    if args.steps:
+        cmd += ["--steps", str(args.steps)]
+    if args.deterministic:
+        cmd.append("--deterministic")
+    if gpus is not None and len(gpus) > 1 and not any(a.split("=")[0] == "--mesh" for a in extra):
+        cmd += ["--mesh", f"1x{len(gpus)}x1"]
+    return cmd
+
+
+def _worker(q: queue.Queue, gpus: tuple[int, ...] | None, mem_fraction: float, args, extra: list[str], done: list):
     script = Path(__file__).resolve().parent / "train_lm.py"
     while True:
         try:
@@ -168,15 +193,10 @@ def _worker(q: queue.Queue, gpu: int | None, mem_fraction: float, args, extra: l
         except queue.Empty:
             return
         out = _prepare_run_dir(args.out, f"{tag}@s{seed}")
-        cmd = [sys.executable, str(script), "--recipe", recipe, "--preset", args.preset, "--seeds", str(seed),
-               "--out", str(out), "--no-progress", *flags, *extra]
-        if args.steps:
-            cmd += ["--steps", str(args.steps)]
-        if args.deterministic:
-            cmd.append("--deterministic")
+        cmd = _command(script, args, extra, recipe, flags, seed, out, gpus)
         env = dict(os.environ)
-        if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
             env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{mem_fraction:.2f}"
         t0 = time.time()
         for attempt in range(_START_ATTEMPTS):
@@ -186,8 +206,8 @@ def _worker(q: queue.Queue, gpu: int | None, mem_fraction: float, args, extra: l
                 break
             time.sleep(5 + 5 * attempt)  # another run was creating its CUDA context on this GPU: start again
         done.append((tag, seed, rc, time.time() - t0))
-        print(f"{tag}@s{seed}: rc {rc}, {time.time() - t0:.0f} s" + (f" (GPU {gpu})" if gpu is not None else ""),
-              flush=True)
+        where = f" (GPU {','.join(map(str, gpus))})" if gpus is not None else ""
+        print(f"{tag}@s{seed}: rc {rc}, {time.time() - t0:.0f} s{where}", flush=True)
 
 
 def main(argv=None):
@@ -196,7 +216,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from: {', '.join(CONFIGS)}")
-    p.add_argument("--per-gpu", type=int, default=1, help="concurrent runs per GPU")
+    p.add_argument("--per-gpu", type=int, default=1, help="concurrent runs per GPU (per GPU group)")
+    p.add_argument("--gpus-per-run", type=int, default=1, metavar="N",
+                   help="GPUs per run (consecutive ones of --gpus; train_lm --mesh 1xNx1 unless a --mesh follows --)")
     p.add_argument("--mem-fraction", type=float, default=None, metavar="F",
                    help="each run's share of its GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.9 / "
                         "--per-gpu); lower it when other programs share the GPUs")
@@ -236,8 +258,11 @@ def main(argv=None):
     for job in jobs:
         q.put(job)
     gpus = args.gpus if args.gpus is not None else list(range(_gpu_count()))
-    share = args.mem_fraction if args.mem_fraction is not None else 0.9 / args.per_gpu
-    slots = [(g, share) for g in gpus for _ in range(args.per_gpu)] or [(None, 0.0)]
+    if args.gpus_per_run < 1 or args.per_gpu < 1:
+        p.error(f"--gpus-per-run {args.gpus_per_run} and --per-gpu {args.per_gpu} must be at least 1")
+    if gpus and len(gpus) < args.gpus_per_run:
+        p.error(f"--gpus-per-run {args.gpus_per_run}: only {len(gpus)} GPU(s) ({gpus})")
+    slots = _slots(gpus, args.gpus_per_run, args.per_gpu, args.mem_fraction)
     done: list = []
     t0 = time.time()
     threads = [threading.Thread(target=_worker, args=(q, g, f, args, extra, done)) for g, f in slots]
