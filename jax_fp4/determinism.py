@@ -13,7 +13,8 @@ algorithm per process. Three things make a step reproducible:
 2. Run attention through XLA (`attention_implementation(True)` gives "xla" for `jax.nn.dot_product_attention`):
    under deterministic ops XLA aborts while compiling a quantized step on a mesh with cuDNN's fused attention
    (`std::out_of_range` from its fused-attention graph cache; jaxlib 0.11.2), while XLA's attention compiles and is
-   reproducible.
+   reproducible. On one device XLA compiles cuDNN's fused attention under deterministic ops (the LM harness's
+   `--deterministic --attention cudnn`); whether two runs then give equal bits is what its one-GPU test checks.
 3. Give every stochastic-rounding and RHT key from a fixed seed (the Flax layers' rng streams live in the model
    state, so a restored checkpoint continues the same draws).
 

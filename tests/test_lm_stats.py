@@ -14,6 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -299,6 +300,31 @@ def test_val_tokens_and_deterministic_flags():
     assert cfg.resume_key()["model"] == plain.resume_key()["model"]
     _, cfg, _ = lm_config.parse_args(["--eval-batches", "5", "--val-tokens", "0"])
     assert cfg.final_eval_batches == 5
+
+
+def test_attention_flag(capsys):
+    """--attention picks the attention of the step (the default: cuDNN's on GPUs, XLA's with --deterministic);
+    --deterministic --attention cudnn is refused for a quantized recipe on a mesh of several devices, where XLA
+    aborts compiling it, and kept for bf16 there and for every recipe on one device."""
+    pytest.importorskip("flax")
+    import lm_config
+    import lm_layers
+
+    for argv, want in (([], "auto"), (["--deterministic"], "xla"), (["--attention", "xla"], "xla"),
+                       (["--deterministic", "--attention", "cudnn", "--recipe", "nvfp4"], "cudnn")):
+        assert lm_config.parse_args(argv)[1].model.attention == want, argv
+    assert lm_layers.attention_implementation("cudnn") == (None if jax.default_backend() == "cpu" else "cudnn")
+    with pytest.raises(ValueError, match="attention must be one of"):
+        lm_layers.attention_implementation("flash")
+    mesh = ["--deterministic", "--attention", "cudnn", "--mesh", "1x1x1"]
+    assert lm_config.parse_args(mesh + ["--recipes", "bf16,nvfp4"])[1].model.attention == "cudnn"  # one device
+    problem = lm_config.attention_problem
+    assert problem(True, "cudnn", (1, 2, 1, 1), ["bf16"]) is None
+    assert problem(True, "xla", (1, 2, 1, 1), ["nvfp4"]) is None
+    assert problem(False, "cudnn", (2, 1, 1, 1), ["nvfp4"]) is None
+    assert problem(True, "cudnn", None, ["nvfp4"]) is None and problem(True, "cudnn", (1, 1, 1, 1), ["nvfp4"]) is None
+    msg = problem(True, "cudnn", (1, 2, 1, 1), ["bf16", "nvfp4-fwd-mxfp8-bwd"])
+    assert "XLA aborts compiling the quantized step (nvfp4-fwd-mxfp8-bwd)" in msg and "1x2x1x1" in msg
 
 
 def test_gap_scaling(tmp_path, capsys):

@@ -3,8 +3,9 @@ checkpointed and resumed gives the bits of a straight run.
 
 * CPU (forced host devices, a subprocess): bf16 data parallel (2x1x1, unscanned), nvfp4-fwd-mxfp8-bwd fsdp (1x2x1,
   scanned, remat quantized) and nvfp4 (stochastic rounding and RHT) tensor parallel (1x1x2, remat full);
-* GPU (`gpu` marker, 2 GPUs): the Llama block (the cuDNN-attention case XLA aborts on under deterministic ops) on the
-  2-GPU fsdp mesh, 20 steps, bf16, nvfp4-fwd-mxfp8-bwd and nvfp4; 10 steps + checkpoint + 10 resumed = 20 straight.
+* GPU (`gpu` marker): the Llama block, 20 steps, bf16, nvfp4-fwd-mxfp8-bwd and nvfp4, 10 steps + checkpoint + 10
+  resumed = 20 straight: on the 2-GPU fsdp mesh with XLA's attention (cuDNN's is the case XLA aborts on under
+  deterministic ops there), and on one GPU with cuDNN's fused attention (`--attention cudnn`).
 Each compares the logged train losses, the validation losses and `summary["model_sha256"]` (the parameters and rng
 streams, `jax_fp4.determinism.checksum`) exactly.
 """
@@ -70,23 +71,20 @@ def test_deterministic_runs_and_resume_cpu(tmp_path):
     _check(results, CPU_CONFIGS, 4)
 
 
-@pytest.mark.gpu
-def test_deterministic_runs_and_resume_two_gpus(tmp_path):
-    """In this process (a child process could not create its CUDA context beside the parent's)."""
+GPU_BASE = ["--preset", "large-350m", "--layers", "2", "--d-model", "512", "--mlp-hidden", "1408", "--tokenizer",
+            "bytes", "--corpus", "stdlib", "--batch", "8", "--seq", "512", "--steps", "20", "--eval-every", "10",
+            "--eval-batches", "2", "--val-tokens", "0", "--log-every", "1", "--no-progress", "--deterministic",
+            "--seeds", "0"]
+
+
+def _gpu_runs(tmp_path, base):
+    """Runs a, b and c (10 steps, checkpoint, 10 resumed) of bf16, nvfp4-fwd-mxfp8-bwd and nvfp4 in this process (a
+    child process could not create its CUDA context beside the parent's) and checks them."""
     import csv
     import json
 
-    import jax
-
-    if jax.device_count() < 2:
-        pytest.skip(f"needs 2 GPUs, found {jax.device_count()}")
     sys.path.insert(0, str(ROOT / "examples" / "lm"))
     import train_lm
-
-    base = ["--preset", "large-350m", "--layers", "2", "--d-model", "512", "--mlp-hidden", "1408", "--tokenizer",
-            "bytes", "--corpus", "stdlib", "--batch", "8", "--seq", "512", "--steps", "20", "--eval-every", "10",
-            "--eval-batches", "2", "--val-tokens", "0", "--log-every", "1", "--no-progress", "--deterministic",
-            "--seeds", "0", "--mesh", "1x2x1"]
 
     def curve(d):
         with (d / "curves.csv").open(newline="") as f:
@@ -102,3 +100,23 @@ def test_deterministic_runs_and_resume_two_gpus(tmp_path):
                         "curve": curve(tmp_path / name / run)}
         results.append(json.loads(json.dumps(res)))
     _check(results, ("bf16", "nvfp4-fwd-mxfp8-bwd", "nvfp4"), 20)
+
+
+@pytest.mark.gpu
+def test_deterministic_runs_and_resume_two_gpus(tmp_path):
+    """The Llama block with XLA's attention on the 2-GPU fsdp mesh."""
+    import jax
+
+    if jax.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, found {jax.device_count()}")
+    _gpu_runs(tmp_path, [*GPU_BASE, "--mesh", "1x2x1"])
+
+
+@pytest.mark.gpu
+def test_deterministic_runs_with_cudnn_attention_one_gpu(tmp_path):
+    """--deterministic --attention cudnn on one GPU: cuDNN's fused attention under XLA's deterministic ops."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    _gpu_runs(tmp_path, [*GPU_BASE, "--attention", "cudnn"])

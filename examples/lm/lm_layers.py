@@ -56,13 +56,15 @@ def remat_policy(name: str):
     raise ValueError(f"remat must be one of {REMAT}, got {name!r}")
 
 
-ATTENTION = ("auto", "xla")  # ModelConfig.attention
+ATTENTION = ("auto", "xla", "cudnn")  # ModelConfig.attention
 
 
 def attention_implementation(choice: str = "auto"):
-    """The `jax.nn.dot_product_attention` implementation of ModelConfig.attention `choice`: "auto": "cudnn" (the
-    fused flash-attention kernel) when the default backend is a GPU, else None (XLA's); "xla": XLA's everywhere (what
-    `--deterministic` takes: `jax_fp4.determinism.attention_implementation`)."""
+    """The `jax.nn.dot_product_attention` implementation of ModelConfig.attention `choice`: "auto" and "cudnn":
+    "cudnn" (the fused flash-attention kernel) when the default backend is a GPU, else None (XLA's); "xla": XLA's
+    everywhere (what `--deterministic` takes unless `--attention cudnn`:
+    `jax_fp4.determinism.attention_implementation`). "cudnn" differs from "auto" only in what train_lm checks: under
+    deterministic ops it is refused where XLA aborts (a quantized step over several devices)."""
     if choice not in ATTENTION:
         raise ValueError(f"attention must be one of {ATTENTION}, got {choice!r}")
     return determinism.attention_implementation(choice == "xla")

@@ -105,7 +105,7 @@ class ModelConfig:
     kv_heads: int = 0  # llama: key / value heads (0: n_heads)
     mlp_hidden: int = 0  # the MLP width (0: mlp_ratio x d_model)
     remat: str = "none"  # activation checkpointing per block: lm_layers.REMAT
-    attention: str = "auto"  # lm_layers.ATTENTION: "auto" (cuDNN's fused kernel on a GPU) or "xla" (deterministic)
+    attention: str = "auto"  # lm_layers.ATTENTION: "auto" / "cudnn" (cuDNN's fused kernel on a GPU) or "xla"
 
     @property
     def moe(self) -> bool:
@@ -385,7 +385,7 @@ def make_train_step(graphdef, state=None, mesh=None, diagnostics: bool = False, 
     weighted aux_loss); the input state's buffers are donated.
 
     deterministic: compile with `jax_fp4.determinism.compiler_options()` (XLA's deterministic ops; the model's
-    attention must then be "xla": `ModelConfig.attention`), so two runs of the step give the same bits.
+    attention "xla", or "cudnn" on one device: `ModelConfig.attention`), so two runs of the step give the same bits.
 
     diagnostics: the step also returns {layer path: float32 [..., 6, 6]}, the quantization statistics of every
     jax_fp4 Dense layer's six GEMM operands (`jax_fp4.flax.diagnostics.value_and_grad`; the same update).
