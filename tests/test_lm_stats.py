@@ -100,6 +100,17 @@ def test_precision_study_jobs_and_flags():
     assert [(t, s) for t, _, _, s in jobs] == [("bf16", 3), ("bf16", 4), ("bf16+repeat1", 3), ("bf16+repeat2", 3),
                                                ("nvfp4", 3), ("nvfp4", 4)]
     assert lm_stats.split_name("bf16+repeat2@s3") == ("bf16+repeat2", 3)
+    jobs = precision_study._jobs(["nvfp4+switch0.9"], [0], repeats=1, repeat_configs=("bf16", "nvfp4+switch0.9"))
+    assert [(t, r, s) for t, r, _, s in jobs] == [
+        ("bf16", "bf16", 0), ("bf16+repeat1", "bf16", 0), ("nvfp4+switch0.9+repeat1", "nvfp4", 0),
+        ("nvfp4+switch0.9", "nvfp4", 0)]
+    assert jobs[2][2] == precision_study.CONFIGS["nvfp4+switch0.9"][1]  # the configuration's flags
+    # the repeat's spread is reported with its configuration ("<configuration>+repeat<k>" against "<configuration>")
+    runs = {n: {"val_loss": v, "val_tokens": 1} for n, v in (("bf16@s0", 1.0), ("bf16+repeat1@s0", 1.001),
+            ("nvfp4+switch0.9@s0", 1.02), ("nvfp4+switch0.9+repeat1@s0", 1.02 * 1.01))}
+    spread = lm_stats.seed_gaps(runs)
+    assert spread["nvfp4+switch0.9"]["same_seed_spread_pct"] == pytest.approx(1.0)
+    assert spread["bf16"]["same_seed_spread_pct"] == pytest.approx(0.1)
 
 
 def test_precision_study_keeps_finished_runs_and_merges_them(tmp_path):

@@ -6,8 +6,9 @@ a GPU at a time (small models do not fill an H100, so two or three share one wel
 comparable, only the losses are). bf16 runs once per seed and is the reference of every gap of that seed. At the
 end the runs' summaries are merged (keyed "<configuration>@s<seed>"), the gaps computed (`lm_stats.seed_gaps`: each
 seed paired with bf16 of the same seed; the mean over seeds with its 95 % Student-t interval, the evaluation noise
-and the same-seed spread of `--repeats`) and written to OUT/gaps.csv, OUT/gaps.json, OUT/gaps.png and
-OUT/summary.json, with a table on stdout. A gap whose interval contains 0 is reported as unresolved.
+and the same-seed spread of the `--repeats` runs of `--repeat-configs`, bf16 by default) and written to
+OUT/gaps.csv, OUT/gaps.json, OUT/gaps.png and OUT/summary.json, with a table on stdout. A gap whose interval
+contains 0 is reported as unresolved.
 `--deterministic` runs every run bit-reproducibly (train_lm --deterministic). Every run is one process on one GPU
 (many small runs fill the GPUs best), or on `--gpus-per-run N` GPUs (consecutive ones of --gpus, with train_lm
 `--mesh 1xNx1`, the fsdp mesh, unless a --mesh follows `--`) for models or deterministic steps too slow for one GPU
@@ -77,11 +78,14 @@ def _gpu_count() -> int:
     return sum(line.startswith("GPU ") for line in out.splitlines())
 
 
-def _jobs(configs: list[str], seeds: list[int], repeats: int = 0) -> list[tuple[str, str, list[str], int]]:
-    """(tag, recipe, flags, seed) per run; bf16 first for every seed, then its `repeats` same-seed repeats of the
-    first seed ("bf16+repeat<k>", the same-seed spread), then the configurations seed by seed."""
+def _jobs(configs: list[str], seeds: list[int], repeats: int = 0,
+          repeat_configs: tuple[str, ...] = ("bf16",)) -> list[tuple[str, str, list[str], int]]:
+    """(tag, recipe, flags, seed) per run; bf16 first for every seed, then `repeats` same-seed repeats of the first
+    seed of each of `repeat_configs` ("<configuration>+repeat<k>", the same-seed spread), then the configurations
+    seed by seed."""
+    known = {"bf16": ("bf16", []), **CONFIGS}
     jobs = [("bf16", "bf16", [], s) for s in seeds]
-    jobs += [(f"bf16+repeat{k}", "bf16", [], seeds[0]) for k in range(1, repeats + 1)]
+    jobs += [(f"{c}+repeat{k}", *known[c], seeds[0]) for c in repeat_configs for k in range(1, repeats + 1)]
     jobs += [(c, *CONFIGS[c], s) for s in seeds for c in configs]
     return jobs
 
@@ -225,7 +229,12 @@ def main(argv=None):
     p.add_argument("--gpus", type=lambda s: [int(g) for g in s.split(",")], default=None,
                    help="comma-separated GPU ids to use (default: every GPU nvidia-smi lists)")
     p.add_argument("--repeats", type=int, default=0, metavar="K",
-                   help="run bf16 of the first seed K more times (bf16+repeat<k>): the same-seed spread")
+                   help="run the first seed of each --repeat-configs K more times (<configuration>+repeat<k>): "
+                        "the same-seed spread")
+    p.add_argument("--repeat-configs", default="bf16", metavar="A,B",
+                   help="the configurations --repeats repeats (default bf16; a quantized one measures the noise of "
+                        "its own runs, which can exceed bf16's); each gap is reported beside its configuration's "
+                        "spread where repeated, else bf16's")
     p.add_argument("--deterministic", action="store_true",
                    help="every run with train_lm --deterministic (bit-reproducible; the same-seed spread is 0)")
     p.add_argument("--merge-only", action="store_true",
@@ -252,7 +261,11 @@ def main(argv=None):
         _report(args.out, merged, args.preset, deterministic=args.deterministic)
         return 0
     q: queue.Queue = queue.Queue()
-    jobs, finished = _pending(_jobs(configs, args.seeds, args.repeats), args.out)
+    repeat_configs = tuple(c for c in args.repeat_configs.split(",") if c)
+    unknown = [c for c in repeat_configs if c != "bf16" and c not in CONFIGS]
+    if unknown:
+        p.error(f"--repeat-configs: unknown configuration(s) {unknown}; known: bf16, {', '.join(CONFIGS)}")
+    jobs, finished = _pending(_jobs(configs, args.seeds, args.repeats, repeat_configs), args.out)
     if finished:
         print(f"{len(finished)} run(s) already finished under {args.out / 'runs'} (kept): {', '.join(finished)}")
     for job in jobs:
