@@ -17,6 +17,8 @@
 # (one recipe per call keeps a call short); /tmp/site is reused when it holds a build (REBUILD=1 rebuilds); XLA_FLAGS
 # pass through (e.g. --xla_gpu_experimental_use_ragged_dot_fusion=true where the jaxlib has cuDNN's ragged dot).
 # CUTLASS_WHEEL=FILE builds against that nvidia-cutlass wheel (a machine without a package index; else from PyPI).
+# PKG_WHEEL=FILE installs that jax_fp4 wheel instead of building (~95 s saved per fresh machine; a cp312 wheel with
+# the CUDA extension: tools/build_wheels.sh OUT python3.12, a few minutes on two cores without a GPU).
 # WHEELS=DIR installs the wheels in DIR (--no-index --no-deps) into /tmp/extra, on PYTHONPATH after /tmp/site: the
 # tokamax steps need, on a machine without a package index, the tokamax release that matches its jax (0.0.12 for jax
 # 0.10, >= 0.0.13 for jax >= 0.11: docs/design.md) and what it imports that the machine lacks (for 0.0.17 on jax
@@ -33,6 +35,9 @@ steps=("$@")
 S=$(date +%s)
 if [ -d /tmp/site/jax_fp4 ] && [ -z "${REBUILD:-}" ]; then
   echo "build: reusing /tmp/site"
+elif [ -n "${PKG_WHEEL:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$PKG_WHEEL" > "$OUT/build.log" 2>&1
+  echo "wheel rc=$? $(( $(date +%s) - S ))s"
 else
   python3 -m pip install -q --no-deps --target /tmp/cutlass "${CUTLASS_WHEEL:-nvidia-cutlass==4.2.0.0}" \
     > "$OUT/cutlass.log" 2>&1
