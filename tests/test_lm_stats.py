@@ -113,6 +113,49 @@ def test_precision_study_jobs_and_flags():
     assert spread["bf16"]["same_seed_spread_pct"] == pytest.approx(0.1)
 
 
+def test_pre_switch_spread():
+    """A configuration and its +switch variant of one seed compute the same steps until the switch: their validation
+    losses at the last common evaluation before it give the configuration's same-seed spread (max over seeds);
+    evaluations at or after the switch step, pairs without curves and unpaired runs are left out."""
+    def run(val, curve, switch=None):
+        return {**_run(val), "val_curve": curve, **({"switch": f"forward GEMMs -> bf16 from step {switch} of 8"}
+                                                      if switch else {})}
+
+    runs = {"bf16@s0": run(1.0, []), "bf16@s1": run(1.0, []),
+            "q@s0": run(1.1, [[2, 2.0], [4, 1.5], [6, 1.2], [8, 1.1]]),
+            "q+switch0.75@s0": run(1.05, [[2, 2.0], [4, 1.5 * 1.02], [6, 9.9], [8, 1.05]], switch=6),
+            "q@s1": run(1.1, [[2, 2.0], [4, 1.5]]),
+            "q+switch0.75@s1": run(1.05, [[2, 2.0 * 1.01], [4, 1.5 * 1.005]], switch=6),
+            "r@s0": run(1.1, [[2, 2.0]]), "r+switch0.5@s0": run(1.0, [[2, 2.0]], switch=2),  # none before step 2
+            "u+switch0.5@s0": run(1.0, [[2, 2.0]], switch=4)}  # no "u" run
+    assert lm_stats.pre_switch_spread(runs) == {"q": pytest.approx(2.0)}
+    gaps = lm_stats.seed_gaps(runs)
+    assert gaps["q"]["pre_switch_spread_pct"] == pytest.approx(2.0) and gaps["r"]["pre_switch_spread_pct"] is None
+    assert "pre-switch" in lm_stats.format_gaps(gaps)
+
+
+@pytest.mark.slow
+def test_switch_runs_equal_before_the_switch_on_the_cpu(tmp_path):
+    """The premise of pre_switch_spread, on the CPU (deterministic): a run and its +switch variant of one seed log the
+    same train and validation losses before the switch step; precision_study attaches the curves and reports 0."""
+    pytest.importorskip("flax")
+    import precision_study
+
+    argv = ["--preset", "tiny", "--steps", "10", "--seeds", "0", "--configs", "", "--out", str(tmp_path), "--",
+            "--layers", "1", "--batch", "4", "--seq", "32", "--eval-every", "2", "--eval-batches", "1",
+            "--val-tokens", "0", "--log-every", "1"]
+    for config in ("nvfp4-fwd-mxfp8-bwd", "nvfp4-fwd-mxfp8-bwd+switch0.9"):  # the switch at step 9 of 10
+        argv[argv.index("--configs") + 1] = config
+        assert precision_study.main(argv) == 0
+    a, b = (list(csv.DictReader((tmp_path / "runs" / n / "curves.csv").open()))
+            for n in ("nvfp4-fwd-mxfp8-bwd@s0", "nvfp4-fwd-mxfp8-bwd+switch0.9@s0"))
+    before = [(r["step"], r["train_loss"], r["val_loss"]) for r in a if int(r["step"]) < 9]
+    assert len(before) == 8 and before == [(r["step"], r["train_loss"], r["val_loss"]) for r in b if int(r["step"]) < 9]
+    assert a[-1]["val_loss"] != b[-1]["val_loss"]  # the switch changes the last step's forward GEMMs
+    gaps = json.loads((tmp_path / "gaps.json").read_text())
+    assert gaps["nvfp4-fwd-mxfp8-bwd"]["pre_switch_spread_pct"] == 0.0
+
+
 def test_precision_study_keeps_finished_runs_and_merges_them(tmp_path):
     """Runs with a summary.json are not queued again; with every run finished the study only merges: gaps.json over
     the union of the runs (two seeds of bf16 and one configuration, as if from two invocations)."""

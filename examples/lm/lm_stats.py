@@ -17,6 +17,11 @@ Beside it, two noise figures:
   * same_seed_spread_pct: how far two runs of one seed and configuration end apart (max over the repeated pairs,
     100 |L_repeat / L - 1|). It is what one seed's gap can be off by from run-to-run nondeterminism alone, and 0
     for deterministic runs (`--deterministic`).
+  * pre_switch_spread_pct: the same kind of figure for a configuration C that also ran as "C+switch<f>" with the
+    same seed: the two runs compute the same steps until the switch, so their validation losses at the last common
+    evaluation before it differ only by run-to-run nondeterminism (max over seeds of 100 |L_switch / L_C - 1|; needs
+    each summary's "val_curve", [[step, val_loss], ...], which precision_study attaches from curves.csv). It costs no
+    extra run and measures the quantized configuration's own noise, which can exceed bf16's.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from scipy import stats
 
 CONFIDENCE = 0.95
 REPEAT = re.compile(r"(.*)\+repeat(\d+)")
+SWITCH = re.compile(r"(.*)\+switch[0-9.]+")
+SWITCH_STEP = re.compile(r"from step (\d+)")  # train_lm's summary["switch"]: "... from step 900 of 1000"
 
 
 def split_name(name: str) -> tuple[str, int | None]:
@@ -69,6 +76,27 @@ def same_seed_spread(summaries: dict) -> dict:
     return out
 
 
+def pre_switch_spread(summaries: dict) -> dict:
+    """{configuration C: spread %} from the pairs "C@s<seed>" / "C+switch<f>@s<seed>" (module docstring): at the
+    last evaluation step both val_curves hold before the switch step, the largest 100 |L_switch / L_C - 1| over the
+    seeds (pairs without curves, switch step or a common evaluation before it are left out)."""
+    out: dict = {}
+    for name, s in summaries.items():
+        cfg, seed = split_name(name)
+        m = SWITCH.fullmatch(cfg)
+        base = summaries.get(f"{m[1]}@s{seed}") if m and seed is not None else None
+        at = SWITCH_STEP.search(str(s.get("switch") or ""))
+        if base is None or at is None or not s.get("val_curve") or not base.get("val_curve"):
+            continue
+        before = {int(k): v for k, v in base["val_curve"] if int(k) < int(at[1])}
+        common = [(int(k), v) for k, v in s["val_curve"] if int(k) in before]
+        if not common:
+            continue
+        step, value = max(common)
+        out[m[1]] = max(out.get(m[1], 0.0), 100 * abs(value / before[step] - 1))
+    return out
+
+
 def _paired_eval_se_pct(run: dict, ref: dict) -> float:
     a, b = run.get("val_seq_losses"), ref.get("val_seq_losses")
     if not a or not b or len(a) != len(b):
@@ -83,9 +111,10 @@ def seed_gaps(summaries: dict, confidence: float = CONFIDENCE) -> dict:
     A record: seeds, gaps_pct (per seed), mean_pct, std_pct (over seeds), min_pct, max_pct, val_loss_mean,
     ci_half_pct, ci_low_pct, ci_high_pct (the `t_interval` at `confidence`), resolved (the interval excludes 0),
     eval_se_pct (the evaluation noise of the mean gap), same_seed_spread_pct (of the configuration's repeats, else of
-    bf16's, else None), deterministic (every run of the record was)."""
+    bf16's, else None), pre_switch_spread_pct (`pre_switch_spread`, else None), deterministic (every run of the
+    record was)."""
     ref = {split_name(n)[1]: s for n, s in summaries.items() if split_name(n)[0] == "bf16"}
-    spread = same_seed_spread(summaries)
+    spread, pre = same_seed_spread(summaries), pre_switch_spread(summaries)
     by_cfg: dict = {}
     for n, s in summaries.items():
         cfg, seed = split_name(n)
@@ -109,7 +138,7 @@ def seed_gaps(summaries: dict, confidence: float = CONFIDENCE) -> dict:
                     "resolved": bool(cfg != "bf16" and math.isfinite(half) and (mean - half > 0 or mean + half < 0)),
                     "eval_se_pct": float(math.sqrt(np.sum(np.square(se))) / len(se)),
                     "same_seed_spread_pct": 0.0 if det else spread.get(cfg, spread.get("bf16")),
-                    "deterministic": det}
+                    "pre_switch_spread_pct": pre.get(cfg), "deterministic": det}
     return out
 
 
@@ -124,19 +153,20 @@ def format_gaps(gaps: dict) -> str:
     """A table of `seed_gaps`: mean gap with its 95 % interval, the spreads and whether the gap is resolved."""
     pct = lambda v: "n/a" if v is None or not math.isfinite(v) else f"{v:.2f}"  # noqa: E731
     lines = [f"{'configuration':<46} {'seeds':>5} {'val loss':>9} {'gap mean':>9} {'95% CI':>17} {'seed sd':>7} "
-             f"{'eval se':>7} {'same-seed':>9}  status"]
+             f"{'eval se':>7} {'same-seed':>9} {'pre-switch':>10}  status"]
     for cfg, g in gaps.items():
         ci = ("" if not math.isfinite(g["ci_half_pct"]) else
               f"[{g['ci_low_pct']:+.2f}, {g['ci_high_pct']:+.2f}]")
         lines.append(f"{cfg:<46} {len(g['seeds']):>5} {g['val_loss_mean']:>9.4f} {g['mean_pct']:>+8.2f}% {ci:>17} "
-                     f"{pct(g['std_pct']):>7} {pct(g['eval_se_pct']):>7} {pct(g['same_seed_spread_pct']):>9}  "
+                     f"{pct(g['std_pct']):>7} {pct(g['eval_se_pct']):>7} {pct(g['same_seed_spread_pct']):>9} "
+                     f"{pct(g.get('pre_switch_spread_pct')):>10}  "
                      f"{'reference' if cfg == 'bf16' else status(g)}")
     return "\n".join(lines)
 
 
 FIELDS = ("configuration", "seeds", "val_loss_mean", "gap_mean_pct", "ci95_low_pct", "ci95_high_pct",
           "ci95_half_pct", "gap_std_pct", "gap_min_pct", "gap_max_pct", "eval_se_pct", "same_seed_spread_pct",
-          "status")
+          "pre_switch_spread_pct", "status")
 
 
 def write_gaps(out: Path, gaps: dict):
@@ -148,7 +178,8 @@ def write_gaps(out: Path, gaps: dict):
         for cfg, g in gaps.items():
             w.writerow([cfg, " ".join(map(str, g["seeds"])), g["val_loss_mean"], g["mean_pct"], g["ci_low_pct"],
                         g["ci_high_pct"], g["ci_half_pct"], g["std_pct"], g["min_pct"], g["max_pct"],
-                        g["eval_se_pct"], g["same_seed_spread_pct"], "reference" if cfg == "bf16" else status(g)])
+                        g["eval_se_pct"], g["same_seed_spread_pct"], g.get("pre_switch_spread_pct"),
+                        "reference" if cfg == "bf16" else status(g)])
 
 
 def plot_gaps(out: Path, gaps: dict, title: str) -> Path | None:

@@ -35,6 +35,7 @@ arguments after `--` go to every train_lm.py run (e.g. `-- --eval-batches 8`).
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import queue
@@ -136,13 +137,25 @@ def _run_seeds(names) -> list[int]:
 
 def _merged(out: Path) -> dict:
     """{"<configuration>@s<seed>": summary} of every finished run under OUT/runs (each run's directory names it; a
-    summary.json holding other than one run is left out)."""
+    summary.json holding other than one run is left out), with "val_curve" from the run's curves.csv (for
+    `lm_stats.pre_switch_spread`)."""
     merged = {}
     for summary in sorted((out / "runs").glob("*/summary.json")):
         runs = json.loads(summary.read_text())
         if len(runs) == 1:
             merged[summary.parent.name] = next(iter(runs.values()))
+            curve = _val_curve(summary.parent / "curves.csv")
+            if curve:
+                merged[summary.parent.name]["val_curve"] = curve
     return merged
+
+
+def _val_curve(path: Path) -> list:
+    """[[step, val_loss], ...] of a run's curves.csv (the rows with a validation loss), [] without the file."""
+    if not path.is_file():
+        return []
+    with path.open(newline="") as f:
+        return [[int(r["step"]), float(r["val_loss"])] for r in csv.DictReader(f) if r.get("val_loss")]
 
 
 def _report(out: Path, merged: dict, preset: str, seeds: list[int] | None = None, deterministic: bool = False) -> dict:
