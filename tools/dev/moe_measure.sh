@@ -6,7 +6,8 @@
 #   ep2       --mesh 1x1x1x2 (2 GPUs: 32 experts each, quantized dispatch for nvfp4-fwd-mxfp8-bwd), dropless
 #   ep2-cf    --mesh 1x1x1x2 --capacity-factor 1.25
 #   one       no mesh: one GPU, experts replicated (the one-GPU ratio)
-#   ep2-tokamax, one-tokamax   ep2 / one with --grouped-gemm tokamax (tokamax's GPU grouped-GEMM kernels)
+#   ep2-tokamax, one-tokamax, ep2-tokamax-cf   ep2 / one / ep2-cf with --grouped-gemm tokamax (tokamax's GPU
+#             grouped-GEMM kernels)
 #   ep2-cudnn ep2 with XLA's cuDNN ragged-dot fusion (--xla_gpu_experimental_use_ragged_dot_fusion=true)
 #   ep4       --mesh 1x1x1x4 (4 GPUs)          dx4 --mesh 2x1x1x2 (4 GPUs: data x expert)
 #   profile   tools/profile_train.py of ep2 (kernel time by category, nccl exposed)
@@ -91,6 +92,7 @@ for step in "${steps[@]}"; do
                    sorted(api.IMPLEMENTATIONS))"  # the implementations that imported here (a private table)
                  run ep2-tokamax --mesh 1x1x1x2 --grouped-gemm tokamax ;;
     one-tokamax) run one-tokamax --grouped-gemm tokamax ;;
+    ep2-tokamax-cf) run ep2-tokamax-cf --mesh 1x1x1x2 --grouped-gemm tokamax --capacity-factor 1.25 ;;
     ep2-cudnn) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_use_ragged_dot_fusion=true" run ep2-cudnn --mesh 1x1x1x2 ;;
     ep4) run ep4 --mesh 1x1x1x4 ;;
     dx4) run dx4 --mesh 2x1x1x2 ;;
