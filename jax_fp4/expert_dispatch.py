@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_fp4._src.vjp_util import dtype_tag
 from jax_fp4.dense import RESIDUAL_NAMES
 from jax_fp4.distributed import _from_wire, _to_wire
 from jax_fp4.grouped import grouped_dequantize, grouped_quantize
@@ -163,7 +164,7 @@ def _up_fwd(recipe, g, x2, w, r, key):
     y = _product(xq, w_fprop, r.sizes, FPROP_DIMS, g.implementation).astype(jnp.result_type(x2, w))
     x_hat = grouped_dequantize(xq, x2.dtype)  # the values the fprop used, in the receiver's expert buffer
     x_wgrad = _grouped_pair(x_hat, r.sizes, None, recipe.wgrad_x, kx)[1]
-    return y, (_named(x_wgrad, 0), _named(w_dgrad, 1), r, kdy, jnp.zeros((0,), x2.dtype), jnp.zeros((0,), w.dtype))
+    return y, (_named(x_wgrad, 0), _named(w_dgrad, 1), r, kdy, dtype_tag(x2), dtype_tag(w))
 
 
 def _up_bwd(recipe, g, res, dy):
@@ -194,8 +195,7 @@ def _down_fwd(recipe, g, h, w, r, key):
     w_dgrad, w_fprop = _weight_pair(w, recipe.dgrad_w, recipe.fprop_w, kw)
     out = _product(h_fprop, w_fprop, r.sizes, FPROP_DIMS, g.implementation).astype(jnp.result_type(h, w))
     back = _exchange(out[r.rows], g)
-    tags = (jnp.zeros((0,), h.dtype), jnp.zeros((0,), w.dtype))
-    return back, (_named(h_wgrad, 0), _named(w_dgrad, 1), r, kq, kdy, *tags)
+    return back, (_named(h_wgrad, 0), _named(w_dgrad, 1), r, kq, kdy, dtype_tag(h), dtype_tag(w))
 
 
 def _down_bwd(recipe, g, res, dback):

@@ -60,7 +60,7 @@ PRESETS = {
     # experts of width 512 per block, top-8 routing, ~1.72B parameters of which ~0.31B active per token; seq 2048,
     # BPE, 32k tokens per step; meant for an expert mesh (--mesh 1x1x1x2 on 2 GPUs: 32 experts per GPU). Peak lr
     # 3e-4, as large-350m's (at 6e-4 runs of one seed part at this batch: docs/performance.md, "Measuring gaps").
-    # Blocks unrolled: scanned expert-parallel blocks with a quantized recipe crash XLA:GPU (lm_moe.scan_problems).
+    # Blocks unrolled, as measured in docs/performance.md ("MoE expert parallelism"); --scan scans them.
     "moe-large": dict(d_model=1024, layers=16, head_dim=64, kv_heads=4, mlp_hidden=512, moe=64, top_k=8, seq=2048,
                       batch=16, steps=300, lr=3e-4, warmup=100, eval_every=100, eval_batches=4, log_every=10,
                       ckpt_every=0, scan=False, corpus="site-packages", arch="llama", remat="quantized",

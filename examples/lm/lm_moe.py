@@ -20,7 +20,7 @@ from jax_fp4.flax.moe_ep import ExpertParallelMoEMLP
 from jax_fp4.formats import NVFP4 as NVFP4Format
 from jax_fp4.recipes import Recipe
 
-__all__ = ["expert_recipe", "make_moe", "moe_call", "scan_problems"]
+__all__ = ["expert_recipe", "make_moe", "moe_call"]
 
 
 def expert_recipe(recipe: Recipe) -> Recipe:
@@ -33,29 +33,6 @@ def expert_recipe(recipe: Recipe) -> Recipe:
         if isinstance(f, NVFP4Format) and (f.local_1x64 or f.scaling_2d):
             fmts[name] = f.replace(local_1x64=False, scaling_2d=False)
     return dataclasses.replace(recipe, name=f"{recipe.name}-experts", **fmts) if fmts else recipe
-
-
-def scan_problems(cfg, recipes, mesh, platform: str) -> list[str]:
-    """Why scanned blocks cannot train these recipes on this mesh and platform (empty when they can).
-
-    On CUDA GPUs (XLA:GPU of jaxlib 0.11.2) the first step of a scanned stack of expert-parallel MoE blocks with a
-    quantized recipe (measured: nvfp4-fwd-mxfp8-bwd and mxfp8, with and without remat) ends the process with a
-    segmentation fault while it compiles or first runs; the same blocks unrolled (--no-scan) train, and so do
-    scanned bf16 blocks (docs/performance.md, "MoE expert parallelism"). Refused here with the fix, not crashed.
-
-    Args:
-      cfg: the `lm_model.ModelConfig`. recipes: the run's `Recipe`s. mesh: (data, fsdp, tensor, expert) or None.
-      platform: `jax.default_backend()` ("gpu", "cpu", ...).
-    """
-    expert = 1 if mesh is None else mesh[3]
-    if platform != "gpu" or not cfg.moe or not cfg.scan_layers or expert <= 1:
-        return []
-    quantized = [r.name for r in recipes if any(f is not None for f in r.formats())]
-    if not quantized:
-        return []
-    return [f"scanned expert-parallel MoE blocks with quantized recipes ({', '.join(quantized)}) crash XLA:GPU "
-            f"(a segmentation fault in the first step) on the expert mesh {'x'.join(map(str, mesh))}: pass "
-            "--no-scan (the same model unrolled), or train those recipes without the expert axis"]
 
 
 def make_moe(cfg, recipe: Recipe, rngs, dtype, mesh, *, activation: str, norm: str, hidden: int):

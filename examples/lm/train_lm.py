@@ -88,7 +88,6 @@ import lm_data  # noqa: E402
 import lm_distributed  # noqa: E402
 import lm_mesh  # noqa: E402
 import lm_model  # noqa: E402
-import lm_moe  # noqa: E402
 import lm_precision  # noqa: E402
 import lm_report  # noqa: E402
 import lm_stats  # noqa: E402
@@ -312,9 +311,6 @@ def main(argv=None) -> dict:
     lm_distributed.initialize(argv)  # before any JAX computation: what jax.devices() lists
     args, cfg, names = parse_args(argv)
     for problem in lm_distributed.mesh_problems(cfg.mesh, cfg.batch, cfg.model.seq):
-        make_parser().error(problem)
-    for problem in lm_moe.scan_problems(cfg.model, [recipes.by_name(n) for n in names], cfg.mesh,
-                                        jax.default_backend()):
         make_parser().error(problem)
     if lm_distributed.is_primary():
         return _main(args, cfg, names)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from jax_fp4._src import jax_compat
 
-__all__ = ["dtype_tag", "operand_keys", "forward_mode_message", "refuse_forward_mode", "reverse_mode_only"]
+__all__ = ["DtypeTag", "dtype_tag", "operand_keys", "forward_mode_message", "refuse_forward_mode", "reverse_mode_only"]
 
 
 def operand_keys(key):
@@ -17,9 +19,19 @@ def operand_keys(key):
     return tuple(jax.random.split(key, 3))
 
 
-def dtype_tag(a):
-    """A zero-size array carrying a's dtype (residuals must be arrays, so a pullback can leave jax.jit)."""
-    return jnp.zeros((0,), a.dtype)
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class DtypeTag:
+    """A custom VJP residual carrying a primal's dtype (`DtypeTag.dtype`, as an array's) and no array: a pytree node
+    without leaves, so a pullback can leave jax.jit, and no zero-size array crosses a `jax.shard_map` or scan boundary
+    as a residual (see `jax_fp4._src.primitives._common.empty_operand`)."""
+
+    dtype: np.dtype
+
+
+def dtype_tag(a) -> DtypeTag:
+    """The residual carrying a's dtype."""
+    return DtypeTag(np.dtype(a.dtype))
 
 
 def forward_mode_message(where: str) -> str:

@@ -1,8 +1,9 @@
-"""Probe for the XLA:GPU crash of scanned expert-parallel MoE layers with quantized recipes.
+"""Probe for the XLA crash of scanned expert-parallel MoE layers with quantized recipes (jaxlib 0.11.2).
 
-`examples/lm/train_lm.py --preset moe-large --mesh 1x1x1x2` ends with a segmentation fault in its first step when the
-blocks are scanned and the recipe quantizes (`lm_moe.scan_problems` refuses that combination on GPUs). This script
-reproduces the structure without the rest of the model: a stack of N `jax_fp4.flax.moe_ep.ExpertParallelMoEMLP`
+`examples/lm/train_lm.py --preset moe-large --mesh 1x1x1x2` ended with a segmentation fault in its first step when the
+blocks were scanned and the recipe quantized: Shardy crashed on zero-size shard_map operands (CPU and GPU, every size;
+`tools/dev/shardy_zero_size_repro.py`), fixed in jax_fp4 (`jax_fp4._src.primitives._common.empty_operand`). This
+script reproduces the structure without the rest of the model: a stack of N `jax_fp4.flax.moe_ep.ExpertParallelMoEMLP`
 layers on a (data=1, expert=2) mesh, residual blocks x + moe(x), a loss sum(x_N^2) + sum of the load-balancing
 losses, forward and backward under one `jax.jit` over the functional state (as `lm_model.make_train_step`). The layers
 are built and applied as `examples/lm/lm_model.py` does: stacked with `nnx.split_rngs` + `nnx.vmap` (the layer axis

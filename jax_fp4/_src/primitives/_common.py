@@ -1,12 +1,30 @@
-"""Helpers shared by the primitive modules: the eager `impl` rule and the FFI-or-reference lowering switch."""
+"""Helpers shared by the primitive modules: the eager `impl` rule, the FFI-or-reference lowering switch and the
+placeholder of an absent operand."""
 
 from __future__ import annotations
 
 from functools import partial
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 from jax_fp4._src import jax_compat
+
+
+def empty_operand(like, dtype=jnp.float32):
+    """The [0] placeholder of an absent operand (an unused amax, window amax, bias or aux), sliced from `like`, an
+    operand of the same call, instead of a constant.
+
+    A constant placeholder is loop invariant: when the call runs in a `jax.shard_map` body inside a `lax.scan`
+    (scanned expert-parallel MoE blocks), the scan's partial evaluation hoists it out of the loop into a separate
+    shard_map, and the zero-size array enters the layer's shard_map as an operand. XLA (jaxlib 0.11.2) replaces
+    zero-size operands with constants before Shardy imports the manual computation, and Shardy then crashes
+    (SIGSEGV in ManualComputationUnusedInputsPattern; `tools/dev/shardy_zero_size_repro.py` shows it in plain
+    JAX). Sliced from an operand, the placeholder is computed next to its consumer. It has no elements either
+    way, so no value changes; under vmap it is batched like `like` (the batching rules accept that)."""
+    flat = jnp.ravel(like)
+    return lax.slice(flat, (0,), (0,)).astype(dtype)
 
 
 def def_impl(prim) -> None:

@@ -45,7 +45,7 @@ from jax.interpreters import ad, batching, mlir
 from jax_fp4._src import ffi as _ffi
 from jax_fp4._src.ffi_codes import DequantizeFlag
 from jax_fp4._src.primitives import partitioning
-from jax_fp4._src.primitives._common import def_impl
+from jax_fp4._src.primitives._common import def_impl, empty_operand
 from jax_fp4._src.primitives.partitioning_base import register_lowerings
 from jax_fp4._src.primitives.swizzle import padded_shape, unswizzle_p
 from jax_fp4.formats import MXFP8, NVFP4
@@ -215,11 +215,11 @@ def _batch_rule(args, dims, *, fmt, out_dtype, scale_layout, mx_columnwise, tran
     if fmt.has_tensor_amax and amax.shape[-1] != 0:  # [B, 1] or [B, P] -> one amax per folded p
         amax = jnp.broadcast_to(amax, (B, P)).reshape(B * P)
     else:
-        amax = jnp.zeros((0,), jnp.float32)
+        amax = empty_operand(data)
     if fmt.local_1x64:
         window_amax = window_amax.reshape(B * P, *window_amax.shape[2:])
     else:
-        window_amax = jnp.zeros((0,), jnp.float32)
+        window_amax = empty_operand(data)
     out = dequantize_p.bind(data.reshape(B * P, R, C), scale.reshape(B * P, *scale.shape[2:]), amax, window_amax,
                             fmt=fmt, out_dtype=out_dtype, scale_layout="compact", mx_columnwise=mx_columnwise,
                             transpose_out=transpose_out, inverse_rht=inverse_rht)
@@ -230,9 +230,9 @@ batching.primitive_batchers[dequantize_p] = _batch_rule
 ad.defjvp(dequantize_p, None, None, None, None)  # zero tangents (see the module docstring)
 
 
-def _amax_operand(amax):
+def _amax_operand(amax, data):
     if amax is None:
-        return jnp.zeros((0,), jnp.float32)
+        return empty_operand(data)
     amax = jnp.asarray(amax, jnp.float32)
     return amax.reshape(1) if amax.ndim == 0 else amax
 
@@ -246,10 +246,11 @@ def dequantize_3d(data, scale, amax, window_amax, *, fmt, out_dtype, scale_layou
         raise ValueError(f"jf4_dequantize ({fmt!r}): amax must be float32[1] or float32[P] (the tensor amax), or None "
                          f"with block_scales_only=True; got amax={'None' if amax is None else 'an array'}, "
                          f"block_scales_only={block_scales_only}")
-    window_amax = jnp.zeros((0,), jnp.float32) if window_amax is None else window_amax
-    return dequantize_p.bind(data, scale, _amax_operand(amax), window_amax, fmt=fmt, out_dtype=jnp.dtype(out_dtype),
-                             scale_layout=scale_layout, mx_columnwise=bool(mx_columnwise),
-                             transpose_out=bool(transpose_out), inverse_rht=bool(inverse_rht))
+    window_amax = empty_operand(data) if window_amax is None else window_amax
+    return dequantize_p.bind(data, scale, _amax_operand(amax, data), window_amax, fmt=fmt,
+                             out_dtype=jnp.dtype(out_dtype), scale_layout=scale_layout,
+                             mx_columnwise=bool(mx_columnwise), transpose_out=bool(transpose_out),
+                             inverse_rht=bool(inverse_rht))
 
 
 def dequantize_operands(q, dtype=jnp.float32, *, inverse_rht: bool = True):
@@ -277,11 +278,11 @@ def dequantize_operands(q, dtype=jnp.float32, *, inverse_rht: bool = True):
         scale = q.scale
     else:
         scale = q.scale.reshape(compact_scale_shape(fmt, (P, R, C), mx_col))
-    amax = _amax_operand(q.amax if fmt.has_tensor_amax else None)
+    amax = _amax_operand(q.amax if fmt.has_tensor_amax else None, data)
     if fmt.local_1x64:
         w = q.window_amax.reshape(P, R, C // fmt.window_size)
     else:
-        w = jnp.zeros((0,), jnp.float32)
+        w = empty_operand(data)
     params = dict(fmt=fmt, out_dtype=jnp.dtype(dtype), scale_layout=q.scale_layout, mx_columnwise=mx_col,
                   transpose_out=transpose, inverse_rht=bool(inverse_rht))
     return (data, scale, amax, w), params

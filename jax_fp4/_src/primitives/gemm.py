@@ -50,7 +50,7 @@ from jax_fp4._src import ffi as _ffi
 from jax_fp4._src.emulation.product import cpu_float32_operands, exact_product  # noqa: F401 - re-exported
 from jax_fp4._src.ffi_codes import GemmFlag
 from jax_fp4._src.primitives import partitioning_gemm
-from jax_fp4._src.primitives._common import def_impl
+from jax_fp4._src.primitives._common import def_impl, empty_operand
 from jax_fp4._src.primitives.dequantize import block_scaled_values, dequantize_array
 from jax_fp4._src.primitives.partitioning_base import register_lowerings
 from jax_fp4.formats import Format
@@ -245,6 +245,6 @@ def gemm(a_data, a_scale, a_aux, b_data, b_scale, b_aux, bias=None, *, a_fmt, b_
     Returns:
       (out [M, N] out_dtype, out_amax float32 []: meaningful only with emit_amax).
     """
-    bias = jnp.zeros((0,), jnp.float32) if bias is None else bias
+    bias = empty_operand(b_data) if bias is None else bias  # from B: batched only where B is (the batching rule)
     return tuple(gemm_p.bind(a_data, a_scale, a_aux, b_data, b_scale, b_aux, bias, a_fmt=a_fmt, b_fmt=b_fmt,
                              out_dtype=jnp.dtype(out_dtype), emit_amax=bool(emit_amax)))

@@ -12,6 +12,7 @@ import math
 
 import jax.numpy as jnp
 
+from jax_fp4._src.primitives._common import empty_operand
 from jax_fp4._src.primitives.swizzle import compact_scales
 from jax_fp4.quantized_array import QuantizedArray
 from jax_fp4.reference.nvfp4 import decode_amax
@@ -50,5 +51,5 @@ def kernel_operand(q: QuantizedArray):
     elif fmt.has_tensor_amax:
         aux = decode_amax(q.amax)
     else:
-        aux = jnp.zeros((0,), jnp.float32)
+        aux = empty_operand(data)
     return (data.reshape(rows, k), scale.reshape(rows, k // fmt.block_size), aux), free

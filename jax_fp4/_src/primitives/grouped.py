@@ -72,7 +72,7 @@ from jax_fp4._src import ffi as _ffi
 from jax_fp4._src import ffi_codes
 from jax_fp4._src.ffi_codes import GroupedDequantizeFlag, QuantizeOption
 from jax_fp4._src.primitives import partitioning_grouped
-from jax_fp4._src.primitives._common import def_impl, def_not_differentiable
+from jax_fp4._src.primitives._common import def_impl, def_not_differentiable, empty_operand
 from jax_fp4._src.primitives.partitioning_base import register_lowerings
 from jax_fp4.formats import NVFP4, Format
 from jax_fp4.reference import codes
@@ -387,7 +387,7 @@ def grouped_quantize_raw(x, first_dims, last_dims, key_row=None, key_col=None, *
         amax_in = jnp.concatenate([jnp.asarray(fill if a is None else a, jnp.float32).reshape(n)
                                    for a in (row_amax, col_amax)])
     else:
-        amax_in = jnp.zeros((0,), jnp.float32)
+        amax_in = empty_operand(x)
     outs = grouped_quantize_p.bind(x, first_dims.astype(jnp.int32), last_dims.astype(jnp.int32), key_row, key_col,
                                    amax_in, row_fmt=row_fmt, col_fmt=col_fmt, representation=representation,
                                    dbias=bool(dbias), amax_given=given)
@@ -398,7 +398,7 @@ def grouped_dequantize_raw(data, scale, amax, first_dims, last_dims, *, fmt, axi
                            raw=False):
     """Bind `jf4_grouped_dequantize` (module docstring); amax None for formats without a tensor scale."""
     if amax is None or raw:
-        amax = jnp.zeros((0,), jnp.float32)
+        amax = empty_operand(data)
     return grouped_dequantize_p.bind(data, scale, amax, first_dims.astype(jnp.int32), last_dims.astype(jnp.int32),
                                      fmt=fmt, axis=int(axis), x_shape=tuple(x_shape), out_dtype=jnp.dtype(out_dtype),
                                      raw=bool(raw))
