@@ -389,14 +389,17 @@ def test_gap_scaling(tmp_path, capsys):
         d.mkdir()
         summ = {}
         for seed, base in enumerate((1.0, 1.1, 1.05)):
-            summ[f"bf16@s{seed}"] = dict(_run(base), params=params)
-            summ[f"x@s{seed}"] = dict(_run(base * (1 + gap + 0.001 * seed)), params=params)
+            det = name == "m"
+            summ[f"bf16@s{seed}"] = dict(_run(base, det=det), params=params)
+            summ[f"x@s{seed}"] = dict(_run(base * (1 + gap + 0.001 * seed), det=det), params=params)
         (d / "summary.json").write_text(json.dumps(summ))
     rows = gap_scaling.main([str(tmp_path / "s"), str(tmp_path / "m"), "--out", str(tmp_path / "o")])
-    assert [(r["params"], r["status"]) for r in rows] == [(7_000_000, "resolved"), (85_000_000, "resolved")]
+    assert [(r["params"], r["status"], r["deterministic"]) for r in rows] == [
+        (7_000_000, "resolved", False), (85_000_000, "resolved", True)]
     assert rows[0]["mean_pct"] == pytest.approx(2.1) and rows[1]["mean_pct"] == pytest.approx(1.1)
     assert (tmp_path / "o" / "gap_scaling.png").stat().st_size > 1000
-    assert "x " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "x " in out and out.count("(not deterministic)") == 1
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "summary.json").write_text(json.dumps({"bf16@s0": _run(1.0)}))

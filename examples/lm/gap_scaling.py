@@ -4,8 +4,11 @@ Student-t interval, from the output directories of precision_study.py runs at se
     python examples/lm/gap_scaling.py runs/study-small runs/study-medium runs/study-350m --out runs/gap_scaling
 
 Each directory holds precision_study's summary.json (every run's "params") and is reduced by `lm_stats.seed_gaps`;
-writes OUT/gap_scaling.png and OUT/gap_scaling.csv (configuration, parameters, seeds, mean, interval, status) and
-prints the table. A point whose interval contains 0 is drawn hollow (unresolved).
+writes OUT/gap_scaling.png and OUT/gap_scaling.csv (configuration, parameters, seeds, mean, interval, status,
+deterministic) and prints the table. A point whose interval contains 0 is drawn hollow (unresolved); a study whose
+runs were not all deterministic (`--deterministic`) is drawn with square markers and labelled so under its size, since
+its intervals also hold the runs' own noise. The configurations' points at one size are spread sideways by a few
+percent of the size so that their intervals do not hide each other.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import lm_stats  # noqa: E402
 
 
 def collect(dirs) -> list[dict]:
-    """One row per (study, configuration but bf16): params, seeds, mean_pct, ci_low_pct, ci_high_pct, status."""
+    """One row per (study, configuration but bf16): params, seeds, mean_pct, ci_low_pct, ci_high_pct, status,
+    deterministic (every run of the configuration and of its bf16 references was)."""
     rows = []
     for d in map(Path, dirs):
         summaries = json.loads((d / "summary.json").read_text())
@@ -34,7 +38,7 @@ def collect(dirs) -> list[dict]:
             if cfg != "bf16":
                 rows.append({"study": str(d), "configuration": cfg, "params": n, "seeds": len(g["seeds"]),
                              "mean_pct": g["mean_pct"], "ci_low_pct": g["ci_low_pct"], "ci_high_pct": g["ci_high_pct"],
-                             "status": lm_stats.status(g)})
+                             "status": lm_stats.status(g), "deterministic": bool(g["deterministic"])})
     return sorted(rows, key=lambda r: (r["configuration"], r["params"]))
 
 
@@ -48,17 +52,23 @@ def plot(rows: list[dict], path: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.axhline(0, color="0.4", lw=0.8)
-    for i, cfg in enumerate(dict.fromkeys(r["configuration"] for r in rows)):
+    ax.set_xscale("log")
+    cfgs = list(dict.fromkeys(r["configuration"] for r in rows))
+    for i, cfg in enumerate(cfgs):
         pts = [r for r in rows if r["configuration"] == cfg]
-        x = [r["params"] for r in pts]
+        x = [r["params"] * 10 ** (0.025 * (i - (len(cfgs) - 1) / 2)) for r in pts]
         y = [r["mean_pct"] for r in pts]
         err = [[r["mean_pct"] - r["ci_low_pct"] if math.isfinite(r["ci_low_pct"]) else 0 for r in pts],
                [r["ci_high_pct"] - r["mean_pct"] if math.isfinite(r["ci_high_pct"]) else 0 for r in pts]]
         ax.plot(x, y, "-", color=f"C{i}", label=cfg, lw=1)
         for r, xe, ye, lo, hi in zip(pts, x, y, *err, strict=True):
-            ax.errorbar(xe, ye, yerr=[[lo], [hi]], fmt="o", color=f"C{i}", capsize=3,
+            ax.errorbar(xe, ye, yerr=[[lo], [hi]], fmt="o" if r["deterministic"] else "s", color=f"C{i}", capsize=3,
                         mfc=f"C{i}" if r["status"] == "resolved" else "white")
-    ax.set_xscale("log")
+    sizes = {r["params"]: r["deterministic"] for r in rows}
+    ax.set_xticks(list(sizes), [f"{n / 1e6:.1f}M\n{'deterministic' if det else 'not deterministic'}"
+                                for n, det in sizes.items()], fontsize=8)
+    ax.minorticks_off()
+    ax.set_xlim(min(sizes) / 2, max(sizes) * 2)
     ax.set_xlabel("parameters")
     ax.set_ylabel("validation-loss gap to bf16 (%), 95 % interval")
     ax.legend(fontsize=7)
@@ -82,7 +92,8 @@ def main(argv=None) -> list[dict]:
     plot(rows, args.out / "gap_scaling.png")
     for r in rows:
         print(f"{r['configuration']:<44} {r['params'] / 1e6:>9.1f}M {r['seeds']:>2} seeds {r['mean_pct']:+6.2f}% "
-              f"[{r['ci_low_pct']:+.2f}, {r['ci_high_pct']:+.2f}] {r['status']}")
+              f"[{r['ci_low_pct']:+.2f}, {r['ci_high_pct']:+.2f}] {r['status']}"
+              f"{'' if r['deterministic'] else ' (not deterministic)'}")
     return rows
 
 
