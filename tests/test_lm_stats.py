@@ -43,6 +43,22 @@ def test_t_interval_and_standard_error():
     assert math.isnan(lm_stats.t_interval([1.0])[1]) and math.isnan(lm_stats.standard_error([1.0]))
 
 
+def test_seeds_needed():
+    """The smallest n whose t half-width t_{0.975, n-1} sd / sqrt(n) reaches the target: checked against the
+    definition at n and n - 1, plus the edges (sd 0, not finite, beyond the limit, a bad target)."""
+    from scipy import stats
+
+    half = lambda n, sd: stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n)  # noqa: E731
+    for sd, target in ((0.82, 0.3), (0.25, 0.3), (1.51, 0.3), (0.41, 0.3), (2.0, 0.5)):
+        n = lm_stats.seeds_needed(sd, target)
+        assert half(n, sd) <= target < (half(n - 1, sd) if n > 2 else math.inf)
+    assert lm_stats.seeds_needed(0.82, 0.3) == 32 and lm_stats.seeds_needed(0.41, 0.3) == 10
+    assert lm_stats.seeds_needed(0.0) == 2 and lm_stats.seeds_needed(math.nan) is None
+    assert lm_stats.seeds_needed(100.0, 0.01) is None  # more than SEEDS_LIMIT seeds
+    with pytest.raises(ValueError, match="half-width must be > 0"):
+        lm_stats.seeds_needed(1.0, 0.0)
+
+
 def test_seed_gaps_paired_interval_and_status():
     rng = np.random.default_rng(0)
     ref_seq = {s: rng.uniform(0.5, 1.5, 64) for s in range(3)}
@@ -69,8 +85,11 @@ def test_seed_gaps_paired_interval_and_status():
     assert g["a"]["eval_se_pct"] == pytest.approx(math.sqrt(sum(v * v for v in se)) / 3, rel=1e-9)
     assert g["a"]["same_seed_spread_pct"] == pytest.approx(0.3, rel=1e-9)  # bf16's repeats
     assert not g["a"]["deterministic"]
+    assert g["a"]["seeds_needed"] == lm_stats.seeds_needed(gaps.std(ddof=1), 0.3) and g["bf16"]["seeds_needed"] is None
+    assert lm_stats.seed_gaps(summ, target_half_pct=0.05)["a"]["seeds_needed"] > g["a"]["seeds_needed"]
     table = lm_stats.format_gaps(g)
     assert "unresolved" in table and "reference" in table and f"{g['a']['ci_low_pct']:+.2f}" in table
+    assert "n@±0.3%" in table
 
 
 def test_one_seed_and_deterministic_runs(tmp_path):
@@ -82,6 +101,7 @@ def test_one_seed_and_deterministic_runs(tmp_path):
     lm_stats.write_gaps(tmp_path, g)
     rows = list(csv.DictReader((tmp_path / "gaps.csv").open()))
     assert list(rows[0]) == list(lm_stats.FIELDS) and rows[1]["status"] == "one seed"
+    assert rows[1]["seeds_needed"] == "" and float(rows[1]["target_half_pct"]) == 0.3
     assert (tmp_path / "gaps.json").is_file()
 
 
@@ -189,9 +209,12 @@ def test_precision_study_merge_only(tmp_path, monkeypatch, capsys):
     _write_runs(tmp_path, runs.items())
     (tmp_path / "runs" / "mxfp8@s3").mkdir()  # a failed run: its train.log only
     (tmp_path / "runs" / "mxfp8@s3" / "train.log").write_text("Traceback")
-    assert precision_study.main(["--merge-only", "--preset", "tiny", "--out", str(tmp_path)]) == 0
+    assert precision_study.main(["--merge-only", "--preset", "tiny", "--out", str(tmp_path),
+                                 "--target-half", "0.5"]) == 0
     rows = list(csv.DictReader((tmp_path / "gaps.csv").open()))
     assert [r["configuration"] for r in rows] == ["bf16", "mxfp8", "nvfp4"]
+    assert float(rows[2]["target_half_pct"]) == 0.5
+    assert int(rows[2]["seeds_needed"]) == lm_stats.seeds_needed(np.std([2.0, 3.0], ddof=1), 0.5)
     assert set(json.loads((tmp_path / "summary.json").read_text())) == set(runs)
     gaps = json.loads((tmp_path / "gaps.json").read_text())
     assert gaps["nvfp4"]["seeds"] == [3, 5] and gaps["nvfp4"]["gaps_pct"] == pytest.approx([2.0, 3.0])

@@ -9,6 +9,8 @@ seed), so a configuration's gap is *paired* per seed:
   gap_s = 100 (L_cfg,s / L_bf16,s - 1)  [%],   mean over seeds ± t_{0.975, n-1} · sd(gap_s) / sqrt(n)
 
 (Student's t interval at 95 %, n seeds). A gap whose interval contains 0 is "unresolved"; one seed gives no interval.
+For planning, `seeds_needed` turns a configuration's seed sd into the number of seeds whose interval would reach a
+target half-width (TARGET_HALF_PCT, ±0.3 % by default).
 
 Beside it, two noise figures:
   * eval_se_pct: the evaluation noise of the mean gap. The validation set is the same windows in every run, so each
@@ -36,6 +38,8 @@ import numpy as np
 from scipy import stats
 
 CONFIDENCE = 0.95
+TARGET_HALF_PCT = 0.3  # the interval half-width a gap table aims for (%); seeds_needed's default target
+SEEDS_LIMIT = 1000
 REPEAT = re.compile(r"(.*)\+repeat(\d+)")
 SWITCH = re.compile(r"(.*)\+switch[0-9.]+")
 SWITCH_STEP = re.compile(r"from step (\d+)")  # train_lm's summary["switch"]: "... from step 900 of 1000"
@@ -60,6 +64,24 @@ def t_interval(samples, confidence: float = CONFIDENCE) -> tuple[float, float]:
     if x.size < 2:
         return (float(x.mean()) if x.size else math.nan), math.nan
     return float(x.mean()), float(stats.t.ppf((1 + confidence) / 2, x.size - 1) * standard_error(x))
+
+
+def seeds_needed(sd: float, half: float = TARGET_HALF_PCT, confidence: float = CONFIDENCE,
+                 limit: int = SEEDS_LIMIT) -> int | None:
+    """The smallest n >= 2 with t_{(1+c)/2, n-1} sd / sqrt(n) <= half: how many seeds a Student-t interval needs to
+    reach half-width `half` (same unit as `sd`, e.g. %) if the seed-to-seed sd stays `sd`. None when `sd` is not
+    finite or n would exceed `limit`. A planning figure: an sd from few seeds is itself uncertain (from 3 seeds, a
+    95 % interval of 0.52-6.3 times the estimate, chi-square with 2 degrees of freedom).
+    Raises ValueError for half <= 0."""
+    if not half > 0:
+        raise ValueError(f"seeds_needed: the target half-width must be > 0, got {half}")
+    if sd is None or not math.isfinite(sd):
+        return None
+    q = (1 + confidence) / 2
+    for n in range(2, limit + 1):
+        if stats.t.ppf(q, n - 1) * sd / math.sqrt(n) <= half:
+            return n
+    return None
 
 
 def same_seed_spread(summaries: dict) -> dict:
@@ -104,7 +126,7 @@ def _paired_eval_se_pct(run: dict, ref: dict) -> float:
     return 100 * standard_error(np.subtract(a, b)) / ref["val_loss"]
 
 
-def seed_gaps(summaries: dict, confidence: float = CONFIDENCE) -> dict:
+def seed_gaps(summaries: dict, confidence: float = CONFIDENCE, target_half_pct: float = TARGET_HALF_PCT) -> dict:
     """{configuration: gap record} over the seeded runs of `summaries` ({run name: summary with "val_loss" and, for
     the evaluation noise, "val_seq_losses"}); each gap against the bf16 run of the same seed, repeats left out.
 
@@ -112,7 +134,8 @@ def seed_gaps(summaries: dict, confidence: float = CONFIDENCE) -> dict:
     ci_half_pct, ci_low_pct, ci_high_pct (the `t_interval` at `confidence`), resolved (the interval excludes 0),
     eval_se_pct (the evaluation noise of the mean gap), same_seed_spread_pct (of the configuration's repeats, else of
     bf16's, else None), pre_switch_spread_pct (`pre_switch_spread`, else None), deterministic (every run of the
-    record was)."""
+    record was), target_half_pct and seeds_needed (`seeds_needed` of std_pct for that half-width; None for one
+    seed or bf16)."""
     ref = {split_name(n)[1]: s for n, s in summaries.items() if split_name(n)[0] == "bf16"}
     spread, pre = same_seed_spread(summaries), pre_switch_spread(summaries)
     by_cfg: dict = {}
@@ -138,7 +161,10 @@ def seed_gaps(summaries: dict, confidence: float = CONFIDENCE) -> dict:
                     "resolved": bool(cfg != "bf16" and math.isfinite(half) and (mean - half > 0 or mean + half < 0)),
                     "eval_se_pct": float(math.sqrt(np.sum(np.square(se))) / len(se)),
                     "same_seed_spread_pct": 0.0 if det else spread.get(cfg, spread.get("bf16")),
-                    "pre_switch_spread_pct": pre.get(cfg), "deterministic": det}
+                    "pre_switch_spread_pct": pre.get(cfg), "deterministic": det,
+                    "target_half_pct": target_half_pct,
+                    "seeds_needed": (seeds_needed(float(gaps.std(ddof=1)), target_half_pct, confidence)
+                                     if cfg != "bf16" and gaps.size > 1 else None)}
     return out
 
 
@@ -150,23 +176,32 @@ def status(g: dict) -> str:
 
 
 def format_gaps(gaps: dict) -> str:
-    """A table of `seed_gaps`: mean gap with its 95 % interval, the spreads and whether the gap is resolved."""
+    """A table of `seed_gaps`: mean gap with its 95 % interval, the spreads, the seeds the interval would need to
+    reach ±target_half_pct (n@±...%) and whether the gap is resolved."""
     pct = lambda v: "n/a" if v is None or not math.isfinite(v) else f"{v:.2f}"  # noqa: E731
+    target = next((g["target_half_pct"] for g in gaps.values()), TARGET_HALF_PCT)
     lines = [f"{'configuration':<46} {'seeds':>5} {'val loss':>9} {'gap mean':>9} {'95% CI':>17} {'seed sd':>7} "
-             f"{'eval se':>7} {'same-seed':>9} {'pre-switch':>10}  status"]
+             f"{'eval se':>7} {'same-seed':>9} {'pre-switch':>10} {f'n@±{target:g}%':>9}  status"]
     for cfg, g in gaps.items():
         ci = ("" if not math.isfinite(g["ci_half_pct"]) else
               f"[{g['ci_low_pct']:+.2f}, {g['ci_high_pct']:+.2f}]")
         lines.append(f"{cfg:<46} {len(g['seeds']):>5} {g['val_loss_mean']:>9.4f} {g['mean_pct']:>+8.2f}% {ci:>17} "
                      f"{pct(g['std_pct']):>7} {pct(g['eval_se_pct']):>7} {pct(g['same_seed_spread_pct']):>9} "
-                     f"{pct(g.get('pre_switch_spread_pct')):>10}  "
+                     f"{pct(g.get('pre_switch_spread_pct')):>10} "
+                     f"{_count(g.get('seeds_needed'), g, cfg):>9}  "
                      f"{'reference' if cfg == 'bf16' else status(g)}")
     return "\n".join(lines)
 
 
+def _count(n, g: dict, cfg: str) -> str:
+    if cfg == "bf16" or len(g["seeds"]) < 2:
+        return "n/a"
+    return str(n) if n is not None else f">{SEEDS_LIMIT}"
+
+
 FIELDS = ("configuration", "seeds", "val_loss_mean", "gap_mean_pct", "ci95_low_pct", "ci95_high_pct",
           "ci95_half_pct", "gap_std_pct", "gap_min_pct", "gap_max_pct", "eval_se_pct", "same_seed_spread_pct",
-          "pre_switch_spread_pct", "status")
+          "pre_switch_spread_pct", "target_half_pct", "seeds_needed", "status")
 
 
 def write_gaps(out: Path, gaps: dict):
@@ -179,6 +214,7 @@ def write_gaps(out: Path, gaps: dict):
             w.writerow([cfg, " ".join(map(str, g["seeds"])), g["val_loss_mean"], g["mean_pct"], g["ci_low_pct"],
                         g["ci_high_pct"], g["ci_half_pct"], g["std_pct"], g["min_pct"], g["max_pct"],
                         g["eval_se_pct"], g["same_seed_spread_pct"], g.get("pre_switch_spread_pct"),
+                        g.get("target_half_pct"), g.get("seeds_needed"),
                         "reference" if cfg == "bf16" else status(g)])
 
 

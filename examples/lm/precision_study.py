@@ -158,12 +158,14 @@ def _val_curve(path: Path) -> list:
         return [[int(r["step"]), float(r["val_loss"])] for r in csv.DictReader(f) if r.get("val_loss")]
 
 
-def _report(out: Path, merged: dict, preset: str, seeds: list[int] | None = None, deterministic: bool = False) -> dict:
+def _report(out: Path, merged: dict, preset: str, seeds: list[int] | None = None, deterministic: bool = False,
+            target_half: float = lm_stats.TARGET_HALF_PCT) -> dict:
     """Writes the merged runs to OUT/summary.json and their gaps to OUT/gaps.csv, gaps.json and gaps.png (titled
     with the preset, the seeds - those of the run names when `seeds` is None - and "deterministic" when
-    `deterministic` or every run was), and prints the gap table; returns the gaps (lm_stats.seed_gaps)."""
+    `deterministic` or every run was), and prints the gap table with the seeds each interval would need to reach
+    ±`target_half` %; returns the gaps (lm_stats.seed_gaps)."""
     (out / "summary.json").write_text(json.dumps(merged, indent=1))
-    gaps = lm_stats.seed_gaps(merged)
+    gaps = lm_stats.seed_gaps(merged, target_half_pct=target_half)
     lm_stats.write_gaps(out, gaps)
     seeds = _run_seeds(merged) if seeds is None else seeds
     deterministic = deterministic or (bool(merged) and all(s.get("deterministic") for s in merged.values()))
@@ -253,6 +255,9 @@ def main(argv=None):
     p.add_argument("--merge-only", action="store_true",
                    help="train nothing: merge the finished runs under OUT/runs (e.g. copied from several machines) "
                         "into OUT/summary.json and the gaps files")
+    p.add_argument("--target-half", type=float, default=lm_stats.TARGET_HALF_PCT, metavar="PCT",
+                   help="the interval half-width (%%) the table plans for: its n@±PCT%% column and gaps.csv's "
+                        "seeds_needed give the seeds each gap's interval would need at its measured seed sd")
     p.add_argument("--out", type=Path, default=Path("runs/study"))
     args, extra = p.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
@@ -266,12 +271,14 @@ def main(argv=None):
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         p.error(f"unknown configuration(s) {unknown}; known: {list(CONFIGS)}")
+    if not args.target_half > 0:
+        p.error(f"--target-half {args.target_half}: the interval half-width must be > 0 (%)")
     if args.merge_only:
         merged = _merged(args.out)
         if not merged:
             p.error(f"--merge-only: no finished run under {args.out / 'runs'} (no runs/<run>/summary.json of one run)")
         print(f"merged {len(merged)} run(s) from {args.out / 'runs'}: {', '.join(merged)}")
-        _report(args.out, merged, args.preset, deterministic=args.deterministic)
+        _report(args.out, merged, args.preset, deterministic=args.deterministic, target_half=args.target_half)
         return 0
     q: queue.Queue = queue.Queue()
     repeat_configs = tuple(c for c in args.repeat_configs.split(",") if c)
@@ -300,7 +307,7 @@ def main(argv=None):
     failed = [(t, s, rc) for t, s, rc, _ in done if rc != 0]
     print(f"\n{len(done)} runs in {time.time() - t0:.0f} s over {len(slots)} slot(s)"
           + (f"; FAILED: {failed} (see {args.out}/runs/<run>/train.log)" if failed else ""))
-    _report(args.out, _merged(args.out), args.preset, args.seeds, args.deterministic)
+    _report(args.out, _merged(args.out), args.preset, args.seeds, args.deterministic, args.target_half)
     return 1 if failed else 0
 
 
