@@ -15,6 +15,11 @@ algorithm per process. Three things make a step reproducible:
    (`std::out_of_range` from its fused-attention graph cache; jaxlib 0.11.2), while XLA's attention compiles and is
    reproducible. On one device XLA compiles cuDNN's fused attention under deterministic ops (the LM harness's
    `--deterministic --attention cudnn`); whether two runs then give equal bits is what its one-GPU test checks.
+   One condition: no two cuDNN attention call sites of the step may be identical. With two identical backward
+   attention graphs (two unrolled blocks, or two scanned segments) XLA aborts while compiling (`IndexError:
+   raw_hash_map::at` from its compiled-graph cache; openxla/xla PR #46500; jaxlib 0.11.2, also with
+   `xla_gpu_exclude_nondeterministic_ops`; docs/performance.md, "Measuring gaps"). `distinct_causal_window(seq_len, site)` gives each call site its own
+   `local_window_size` that masks nothing beyond causality: the graphs differ, the values do not.
 3. Give every stochastic-rounding and RHT key from a fixed seed (the Flax layers' rng streams live in the model
    state, so a restored checkpoint continues the same draws).
 
@@ -32,7 +37,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-__all__ = ["COMPILER_OPTIONS", "compiler_options", "jit", "attention_implementation", "checksum"]
+__all__ = ["COMPILER_OPTIONS", "compiler_options", "jit", "attention_implementation", "distinct_causal_window",
+           "checksum"]
 
 # XLA's debug option behind --xla_gpu_deterministic_ops (xla/xla.proto, DebugOptions.xla_gpu_deterministic_ops):
 # deterministic scatter / reduction emitters and no autotuning, for the program compiled with it.
@@ -64,6 +70,27 @@ def attention_implementation(deterministic: bool, backend: str | None = None) ->
     if deterministic:
         return "xla"
     return "cudnn" if (backend or jax.default_backend()) == "gpu" else None
+
+
+def distinct_causal_window(seq_len: int, site: int) -> tuple[int, int]:
+    """The `local_window_size` (left, right) of `jax.nn.dot_product_attention(..., is_causal=True)` for attention
+    call site `site` of a step with sequences of `seq_len` positions: (seq_len - 1 + site, 0). A left window of at
+    least seq_len - 1 positions masks nothing that causality does not, so the attention is the same; the window
+    differs per site, so cuDNN builds a distinct graph for each call (module docstring, point 2). Equal bit for bit
+    to plain causal attention, values and gradients: measured for cuDNN's fused kernel under deterministic ops
+    (docs/performance.md, "Measuring gaps") and checked for XLA's implementation by the tests.
+
+    Example (unrolled blocks ``i = 0..n-1``): ``jax.nn.dot_product_attention(q, k, v, is_causal=True,
+    local_window_size=distinct_causal_window(q.shape[1], i), implementation="cudnn")``.
+
+    Raises:
+      ValueError: seq_len < 1 or site < 0 (not ints, or out of range).
+    """
+    if not (isinstance(seq_len, int) and seq_len >= 1):
+        raise ValueError(f"distinct_causal_window: seq_len must be an int >= 1, got {seq_len!r}")
+    if not (isinstance(site, int) and site >= 0):
+        raise ValueError(f"distinct_causal_window: site must be an int >= 0, got {site!r}")
+    return (seq_len - 1 + site, 0)
 
 
 def checksum(tree) -> str:

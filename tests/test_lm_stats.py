@@ -389,7 +389,11 @@ def test_attention_flag(capsys):
 
     for argv, want in (([], "auto"), (["--deterministic"], "xla"), (["--attention", "xla"], "xla"),
                        (["--deterministic", "--attention", "cudnn", "--recipe", "nvfp4"], "cudnn")):
-        assert lm_config.parse_args(argv)[1].model.attention == want, argv
+        model = lm_config.parse_args(argv)[1].model
+        assert model.attention == want, argv
+        # distinct attention windows only where cuDNN's attention runs under deterministic ops
+        assert model.distinct_attention == (want == "cudnn"), argv
+    assert not lm_config.parse_args(["--attention", "cudnn"])[1].model.distinct_attention
     assert lm_layers.attention_implementation("cudnn") == (None if jax.default_backend() == "cpu" else "cudnn")
     with pytest.raises(ValueError, match="attention must be one of"):
         lm_layers.attention_implementation("flash")

@@ -5,7 +5,8 @@ checkpointed and resumed gives the bits of a straight run.
   scanned, remat quantized) and nvfp4 (stochastic rounding and RHT) tensor parallel (1x1x2, remat full);
 * GPU (`gpu` marker): the Llama block, 20 steps, bf16, nvfp4-fwd-mxfp8-bwd and nvfp4, 10 steps + checkpoint + 10
   resumed = 20 straight: on the 2-GPU fsdp mesh with XLA's attention (cuDNN's is the case XLA aborts on under
-  deterministic ops there), and on one GPU with cuDNN's fused attention (`--attention cudnn`).
+  deterministic ops there), and on one GPU with cuDNN's fused attention (`--attention cudnn`); with cuDNN's attention
+  also two unrolled blocks and a scanned stack of two segments, which compile only with distinct attention windows.
 Each compares the logged train losses, the validation losses and `summary["model_sha256"]` (the parameters and rng
 streams, `jax_fp4.determinism.checksum`) exactly.
 """
@@ -120,3 +121,23 @@ def test_deterministic_runs_with_cudnn_attention_one_gpu(tmp_path):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     _gpu_runs(tmp_path, [*GPU_BASE, "--attention", "cudnn"])
+
+
+@pytest.mark.gpu
+def test_cudnn_attention_unrolled_blocks_and_segments_one_gpu(tmp_path):
+    """Two unrolled blocks, and a scanned stack split into two segments (--bf16-last 1), under deterministic ops with
+    cuDNN's attention: XLA compiles such steps only when no two attention graphs are identical (each site its own
+    window, ModelConfig.distinct_attention); two runs give the same losses and bits."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    sys.path.insert(0, str(ROOT / "examples" / "lm"))
+    import train_lm
+
+    base = [*GPU_BASE, "--attention", "cudnn", "--steps", "6", "--eval-every", "6"]
+    for name, flags in (("unrolled", ["--no-scan", "--recipe", "bf16"]),
+                        ("segments", ["--recipe", "nvfp4-fwd-mxfp8-bwd", "--bf16-last", "1"])):
+        runs = [next(iter(train_lm.main([*base, *flags, "--out", str(tmp_path / name / r)]).values())) for r in "ab"]
+        assert [(s["model_sha256"], s["val_loss"]) for s in runs[1:]] == [(runs[0]["model_sha256"],
+                                                                           runs[0]["val_loss"])], name

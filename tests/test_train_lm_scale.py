@@ -154,6 +154,26 @@ def test_scanned_segments_equal_unscanned(arch):
         jax.tree.map(lambda a, b: _close(a, b, 2.0**-12), gu[k], gs[k])
 
 
+@pytest.mark.parametrize("arch,scan", [("gpt", False), ("llama", True)])
+def test_distinct_attention_sites_change_no_bits(arch, scan):
+    """ModelConfig.distinct_attention (train_lm --deterministic --attention cudnn): every unrolled block, or every
+    scanned segment, is its own attention site with its own full causal window (distinct cuDNN graphs under XLA's
+    deterministic ops), and the loss and gradients are those of plain causal attention bit for bit (XLA's attention
+    on the CPU)."""
+    kw = TINY_LLAMA if arch == "llama" else dict(d_model=64, n_layers=3, n_heads=2, seq=32)
+    pol = P.last_blocks(1, num_blocks=3).with_default(MX)
+    plain = _model(lm_model.ModelConfig(**kw, attention="cudnn"), pol, scan)
+    dist = _model(lm_model.ModelConfig(**kw, attention="cudnn", distinct_attention=True), pol, scan)
+    sites = [m.attention_site for m in (dist.stacks if scan else dist.blocks)]
+    assert sites == list(range(2 if scan else 3))  # scanned: blocks 0-1 and block 2
+    assert {m.attention_site for m in (plain.stacks if scan else plain.blocks)} == {None}
+    vg = nnx.jit(nnx.value_and_grad(lm_model.loss_fn))
+    batch = _batch(plain.cfg.vocab)
+    (lp, gp), (ld, gd) = vg(plain, batch), vg(dist, batch)
+    assert float(ld) == float(lp)
+    jax.tree.map(lambda a, b: _close(a, b, 0), nnx.to_pure_dict(gd), nnx.to_pure_dict(gp))
+
+
 def test_remat_keeps_quantized_residuals(capsys):
     """remat "quantized": the saved residuals are the quantized GEMM operands (jax_fp4_x_wgrad, jax_fp4_w_dgrad),
     for a bf16 block the GEMM inputs (lm_gemm_input); every remat choice gives the gradients of "none" (float32

@@ -221,8 +221,10 @@ def make_parser() -> argparse.ArgumentParser:
                    help="attention: cuDNN's fused flash-attention kernel (on GPUs; the default without "
                         "--deterministic) or XLA's (the default with --deterministic). --deterministic --attention "
                         "cudnn keeps the fused kernel under XLA's deterministic ops on one device (a bf16 step lost "
-                        "3 %% of its tokens/s that way, against about 3x with XLA's attention at seq 2048); a "
-                        "quantized recipe on a mesh of several devices is refused there (XLA aborts compiling it)")
+                        "3 %% of its tokens/s that way, against about 3x with XLA's attention at seq 2048), each "
+                        "block or scanned segment with its own full causal window so that no two cuDNN graphs are "
+                        "identical (jax_fp4.determinism.distinct_causal_window); a quantized recipe on a mesh of "
+                        "several devices is refused there (XLA aborts compiling it)")
     p.add_argument("--log-every", type=_int_at_least(1), help="a curves.csv row (train loss, tokens/s) every N steps")
     p.add_argument("--ckpt-every", type=_int_at_least(0), help="checkpoint every N steps (0: only at the end)")
     p.add_argument("--arch", choices=lm_model.ARCHS, help="block kind (default: the preset's; gpt for tiny / small / "
@@ -311,6 +313,7 @@ def parse_args(argv=None):
         seq=v["seq"], scan_layers=v["scan"], arch=v.get("arch", "gpt"), kv_heads=v.get("kv_heads", 0),
         mlp_hidden=v.get("mlp_hidden", 0), remat=v.get("remat", "none"),
         attention=args.attention or ("xla" if args.deterministic else "auto"),
+        distinct_attention=bool(args.deterministic and args.attention == "cudnn"),
         vocab=v.get("vocab", 32768) if args.tokenizer == "bpe" else lm_model.VOCAB, **moe)
     for problem in model.validate():
         parser.error(problem)

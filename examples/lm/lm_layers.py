@@ -86,13 +86,15 @@ def annotate(init, kind, mesh):
     return init if mesh is None else nnx.with_partitioning(init, param_axes(kind, mesh), mesh=mesh)
 
 
-def attention(q, k, v, mesh, implementation: str = "auto"):
+def attention(q, k, v, mesh, implementation: str = "auto", site: int | None = None):
     """Causal attention of q [B, T, H, Dh] over k, v [B, T, KV, Dh] (H a multiple of KV: grouped queries), bfloat16
     [B, T, H, Dh]; with a mesh q, k, v are constrained to heads split over "tensor". implementation: ATTENTION (see
-    `attention_implementation`)."""
+    `attention_implementation`). site: this call site's index when the step's call sites must build distinct cuDNN
+    graphs (`jax_fp4.determinism.distinct_causal_window`: the same values), None for plain causal attention."""
     if mesh is not None:
         q, k, v = (jax.lax.with_sharding_constraint(a, heads_sharding(mesh)) for a in (q, k, v))
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+    window = None if site is None else determinism.distinct_causal_window(q.shape[1], site)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window,
                                         implementation=attention_implementation(implementation))
 
 
@@ -112,6 +114,7 @@ class LlamaBlock(nnx.Module):
         small = nnx.initializers.variance_scaling(1.0 / (2 * cfg.n_layers), "fan_in", "truncated_normal")
         norm = dict(epsilon=1e-6, dtype=dtype, rngs=rngs)  # scales replicated
         dense = dict(recipe=recipe, use_bias=False, dtype=dtype, rngs=rngs)
+        self.attention_site = None  # set by lm_model.GPT when ModelConfig.distinct_attention
         self.attn_norm = nnx.RMSNorm(d, **norm)
         self.qkv = fnnx.Dense(d, (h + 2 * kv) * hd, kernel_init=annotate(init, "col", mesh), **dense)
         self.out = fnnx.Dense(h * hd, d, kernel_init=annotate(small, "row", mesh), **dense)
@@ -132,7 +135,7 @@ class LlamaBlock(nnx.Module):
         q = qkv[:, :, :, :-2].reshape(b, t, h, dh)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
         q, k = rope(q, self.cfg.rope_base), rope(k, self.cfg.rope_base)
-        a = attention(q, k, v, self.mesh, self.cfg.attention).reshape(b, t, h * dh)
+        a = attention(q, k, v, self.mesh, self.cfg.attention, self.attention_site).reshape(b, t, h * dh)
         x = x + self.out(_gemm_input(self.out, a))
         if self.cfg.moe:
             y, aux = moe_call(self.mlp, x)

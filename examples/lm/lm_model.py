@@ -106,6 +106,9 @@ class ModelConfig:
     mlp_hidden: int = 0  # the MLP width (0: mlp_ratio x d_model)
     remat: str = "none"  # activation checkpointing per block: lm_layers.REMAT
     attention: str = "auto"  # lm_layers.ATTENTION: "auto" / "cudnn" (cuDNN's fused kernel on a GPU) or "xla"
+    # each attention call site (unrolled block, scanned segment) its own full causal window: distinct cuDNN graphs,
+    # the same values (jax_fp4.determinism.distinct_causal_window); set by train_lm --deterministic --attention cudnn
+    distinct_attention: bool = False
 
     @property
     def moe(self) -> bool:
@@ -160,6 +163,7 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, recipe: Recipe, rngs: nnx.Rngs, dtype=jnp.bfloat16, mesh=None):
         d = cfg.d_model
         self.cfg, self.mesh = cfg, mesh
+        self.attention_site = None  # set by GPT when cfg.distinct_attention
         col = dict(kernel_init=annotate(fnnx.default_kernel_init, "col", mesh),
                    bias_init=annotate(fnnx.default_bias_init, "colvec", mesh))
         self.qkv = fnnx.LayerNormDense(d, 3 * d, recipe=recipe, dtype=dtype, rngs=rngs, **col)
@@ -181,7 +185,7 @@ class Block(nnx.Module):
         h, dh = self.cfg.n_heads, self.cfg.head_dim
         q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * h, dh), 3, axis=2)
         q, k = rope(q, self.cfg.rope_base), rope(k, self.cfg.rope_base)
-        a = attention(q, k, v, self.mesh, self.cfg.attention)
+        a = attention(q, k, v, self.mesh, self.cfg.attention, self.attention_site)
         x = x + self.out(a.reshape(b, t, d))
         if self.cfg.moe:
             y, aux = moe_call(self.mlp, x)
@@ -216,6 +220,9 @@ class GPT(nnx.Module):
         else:
             one = nnx.eval_shape(lambda: _block(cfg, recipe, _rngs(), dtype, mesh))
             self.blocks = nnx.List([_take(stack, i, one) for i in range(cfg.n_layers)])
+        if cfg.distinct_attention:  # one site per stack (its blocks share one call) or per unrolled block
+            for site, module in enumerate(self.stacks if cfg.scan_layers else self.blocks):
+                module.attention_site = site
         norm = nnx.RMSNorm if cfg.arch == "llama" else nnx.LayerNorm
         self.norm = norm(cfg.d_model, epsilon=1e-6, dtype=dtype, rngs=rngs)
         self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, dtype=dtype, rngs=rngs,
