@@ -277,6 +277,37 @@ def test_precision_study_launches_runs_on_the_shared_tokenizer(tmp_path, monkeyp
     assert json.loads((tmp_path / "gaps.json").read_text())["nvfp4"]["gaps_pct"] == pytest.approx([2.0])
 
 
+def test_precision_study_start_by(tmp_path, monkeypatch, capsys):
+    """--start-by S: no run starts later than S seconds into the study (a fake clock; each run takes 100 s); the runs
+    left are listed, the same command trains them, and a negative S is a usage error."""
+    import types
+
+    import precision_study
+
+    clock, launched = [1000.0], []
+
+    def fake_run(cmd, **kwargs):
+        if cmd[0] == "nvidia-smi":
+            raise OSError("no GPUs here")
+        out = Path(cmd[cmd.index("--out") + 1])
+        launched.append(out.name)
+        clock[0] += 100
+        _write_runs(tmp_path, [(out.name, 1.0)])
+        return types.SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(precision_study.subprocess, "run", fake_run)
+    monkeypatch.setattr(precision_study, "time", types.SimpleNamespace(time=lambda: clock[0], sleep=lambda s: None))
+    argv = ["--preset", "tiny", "--seeds", "0", "1", "--configs", "nvfp4", "--out", str(tmp_path)]
+    assert precision_study.main([*argv, "--start-by", "150"]) == 0
+    assert launched == ["bf16@s0", "bf16@s1"]  # started at 0 s and 100 s; the next would start at 200 s
+    assert "not started (--start-by 150 s): nvfp4@s0, nvfp4@s1" in capsys.readouterr().out
+    assert precision_study.main(argv) == 0
+    assert launched[2:] == ["nvfp4@s0", "nvfp4@s1"]
+    with pytest.raises(SystemExit) as e:
+        precision_study.main([*argv, "--start-by", "-1"])
+    assert e.value.code == 2 and "--start-by -1.0: must be >= 0 seconds" in capsys.readouterr().err
+
+
 def test_precision_study_gpus_per_run(tmp_path, monkeypatch, capsys):
     """--gpus-per-run N: the GPUs in consecutive groups of N (a remainder unused), each run's CUDA_VISIBLE_DEVICES one
     group and its train_lm command the fsdp mesh 1xNx1 unless a --mesh follows `--`; more GPUs per run than GPUs is

@@ -16,6 +16,8 @@ within a run's time; one configuration across processes or hosts is a train_lm.p
 --distributed / --coordinator flags are refused here). A run whose OUT/runs/<run>/summary.json exists is not
 run again: an interrupted study continues, and one split over several invocations (a seed per call on a machine that
 keeps no files: copy each call's OUT/runs together) is merged by invoking it once more over the union.
+`--start-by S` starts no run later than S seconds after the study began, so that a study cut into calls of a fixed
+length ends between runs rather than killing one (the runs left are listed; invoking it again trains them).
 `--merge-only` trains nothing: it merges every finished run under OUT/runs (e.g. the runs directories of a study
 split over several machines, copied together) into the same OUT/summary.json, gaps files and table.
 The runs share one BPE tokenizer: each run's tokenizer cache (OUT/runs/<run>/tokenizer) is a relative link to
@@ -204,9 +206,14 @@ def _command(script: Path, args, extra: list[str], recipe: str, flags: list[str]
     return cmd
 
 
-def _worker(q: queue.Queue, gpus: tuple[int, ...] | None, mem_fraction: float, args, extra: list[str], done: list):
+def _worker(q: queue.Queue, gpus: tuple[int, ...] | None, mem_fraction: float, args, extra: list[str], done: list,
+            start_by: float | None = None):
+    """Trains the queued runs one after another on `gpus` until the queue is empty or the clock passes `start_by`
+    (time.time(); None: no limit)."""
     script = Path(__file__).resolve().parent / "train_lm.py"
     while True:
+        if start_by is not None and time.time() > start_by:
+            return
         try:
             tag, recipe, flags, seed = q.get_nowait()
         except queue.Empty:
@@ -258,6 +265,9 @@ def main(argv=None):
     p.add_argument("--target-half", type=float, default=lm_stats.TARGET_HALF_PCT, metavar="PCT",
                    help="the interval half-width (%%) the table plans for: its n@±PCT%% column and gaps.csv's "
                         "seeds_needed give the seeds each gap's interval would need at its measured seed sd")
+    p.add_argument("--start-by", type=float, default=None, metavar="S",
+                   help="start no run later than S seconds after the study began (the runs left are listed; the "
+                        "same command trains them later): for machines lent for a fixed time")
     p.add_argument("--out", type=Path, default=Path("runs/study"))
     args, extra = p.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
@@ -271,6 +281,8 @@ def main(argv=None):
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         p.error(f"unknown configuration(s) {unknown}; known: {list(CONFIGS)}")
+    if args.start_by is not None and not args.start_by >= 0:
+        p.error(f"--start-by {args.start_by}: must be >= 0 seconds")
     if not args.target_half > 0:
         p.error(f"--target-half {args.target_half}: the interval half-width must be > 0 (%)")
     if args.merge_only:
@@ -298,13 +310,20 @@ def main(argv=None):
     slots = _slots(gpus, args.gpus_per_run, args.per_gpu, args.mem_fraction)
     done: list = []
     t0 = time.time()
-    threads = [threading.Thread(target=_worker, args=(q, g, f, args, extra, done)) for g, f in slots]
+    start_by = None if args.start_by is None else t0 + args.start_by
+    threads = [threading.Thread(target=_worker, args=(q, g, f, args, extra, done, start_by)) for g, f in slots]
     for t in threads:
         t.start()
         time.sleep(2)  # stagger the start-ups (corpus loading, compiles)
     for t in threads:
         t.join()
     failed = [(t, s, rc) for t, s, rc, _ in done if rc != 0]
+    left = []
+    while not q.empty():
+        tag, _, _, seed = q.get_nowait()
+        left.append(f"{tag}@s{seed}")
+    if left:
+        print(f"not started (--start-by {args.start_by:g} s): {', '.join(left)}; the same command trains them")
     print(f"\n{len(done)} runs in {time.time() - t0:.0f} s over {len(slots)} slot(s)"
           + (f"; FAILED: {failed} (see {args.out}/runs/<run>/train.log)" if failed else ""))
     _report(args.out, _merged(args.out), args.preset, args.seeds, args.deterministic, args.target_half)
