@@ -448,13 +448,15 @@ def test_gap_scaling(tmp_path, capsys):
         summ = {}
         for seed, base in enumerate((1.0, 1.1, 1.05)):
             det = name == "m"
-            summ[f"bf16@s{seed}"] = dict(_run(base, det=det), params=params)
+            summ[f"bf16@s{seed}"] = dict(_run(base, det=det), params=params,
+                                         **({"steps": 100, "tokens_per_step": 1_400_000} if det else {}))
             summ[f"x@s{seed}"] = dict(_run(base * (1 + gap + 0.001 * seed), det=det), params=params)
         (d / "summary.json").write_text(json.dumps(summ))
     rows = gap_scaling.main([str(tmp_path / "s"), str(tmp_path / "m"), "--out", str(tmp_path / "o")])
     assert [(r["params"], r["status"], r["deterministic"]) for r in rows] == [
         (7_000_000, "resolved", False), (85_000_000, "resolved", True)]
     assert rows[0]["mean_pct"] == pytest.approx(2.1) and rows[1]["mean_pct"] == pytest.approx(1.1)
+    assert math.isnan(rows[0]["tokens_per_param"]) and rows[1]["tokens_per_param"] == pytest.approx(100 * 1.4e6 / 85e6)
     assert (tmp_path / "o" / "gap_scaling.png").stat().st_size > 1000
     out = capsys.readouterr().out
     assert "x " in out and out.count("(not deterministic)") == 1

@@ -5,10 +5,10 @@ Student-t interval, from the output directories of precision_study.py runs at se
 
 Each directory holds precision_study's summary.json (every run's "params") and is reduced by `lm_stats.seed_gaps`;
 writes OUT/gap_scaling.png and OUT/gap_scaling.csv (configuration, parameters, seeds, mean, interval, status,
-deterministic) and prints the table. A point whose interval contains 0 is drawn hollow (unresolved); a study whose
-runs were not all deterministic (`--deterministic`) is drawn with square markers and labelled so under its size, since
-its intervals also hold the runs' own noise. The configurations' points at one size are spread sideways by a few
-percent of the size so that their intervals do not hide each other.
+deterministic, training tokens per parameter, also written under each size) and prints the table. A point whose interval
+contains 0 is drawn hollow (unresolved); a study whose runs were not all deterministic (`--deterministic`) is drawn with
+square markers and labelled so under its size, since its intervals also hold the runs' own noise. The configurations'
+points at one size are spread sideways by a few percent of the size so that their intervals do not hide each other.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ import lm_stats  # noqa: E402
 
 def collect(dirs) -> list[dict]:
     """One row per (study, configuration but bf16): params, seeds, mean_pct, ci_low_pct, ci_high_pct, status,
-    deterministic (every run of the configuration and of its bf16 references was)."""
+    deterministic (every run of the configuration and of its bf16 references was), tokens_per_param (the bf16 runs'
+    training tokens, steps x tokens_per_step, per parameter; nan where the summaries lack them): gaps at different
+    sizes are compared at different points of training unless it matches."""
     rows = []
     for d in map(Path, dirs):
         summaries = json.loads((d / "summary.json").read_text())
@@ -34,11 +36,15 @@ def collect(dirs) -> list[dict]:
         if len(params) != 1:
             raise ValueError(f"{d}: the runs disagree on (or lack) the parameter count: {sorted(params)}")
         n = params.pop()
+        tokens = {s["steps"] * s["tokens_per_step"] for name, s in summaries.items()
+                  if lm_stats.split_name(name)[0] == "bf16" and "steps" in s and "tokens_per_step" in s}
+        per_param = tokens.pop() / n if len(tokens) == 1 else math.nan
         for cfg, g in lm_stats.seed_gaps(summaries).items():
             if cfg != "bf16":
                 rows.append({"study": str(d), "configuration": cfg, "params": n, "seeds": len(g["seeds"]),
                              "mean_pct": g["mean_pct"], "ci_low_pct": g["ci_low_pct"], "ci_high_pct": g["ci_high_pct"],
-                             "status": lm_stats.status(g), "deterministic": bool(g["deterministic"])})
+                             "status": lm_stats.status(g), "deterministic": bool(g["deterministic"]),
+                             "tokens_per_param": per_param})
     return sorted(rows, key=lambda r: (r["configuration"], r["params"]))
 
 
@@ -64,9 +70,10 @@ def plot(rows: list[dict], path: Path) -> Path | None:
         for r, xe, ye, lo, hi in zip(pts, x, y, *err, strict=True):
             ax.errorbar(xe, ye, yerr=[[lo], [hi]], fmt="o" if r["deterministic"] else "s", color=f"C{i}", capsize=3,
                         mfc=f"C{i}" if r["status"] == "resolved" else "white")
-    sizes = {r["params"]: r["deterministic"] for r in rows}
-    ax.set_xticks(list(sizes), [f"{n / 1e6:.1f}M\n{'deterministic' if det else 'not deterministic'}"
-                                for n, det in sizes.items()], fontsize=8)
+    sizes = {r["params"]: (r["deterministic"], r["tokens_per_param"]) for r in rows}
+    ax.set_xticks(list(sizes), [f"{n / 1e6:.1f}M" + (f", {tpp:.2g} tokens/param" if math.isfinite(tpp) else "")
+                                + f"\n{'deterministic' if det else 'not deterministic'}"
+                                for n, (det, tpp) in sizes.items()], fontsize=8)
     ax.minorticks_off()
     ax.set_xlim(min(sizes) / 2, max(sizes) * 2)
     ax.set_xlabel("parameters")
