@@ -14,26 +14,16 @@
 # Usage, from the repository root: bash tools/dev/gap_tables.sh STEP [STEP ...]
 # Environment: SEEDS (default: 0 1 2; 350m 0 1 2 3 4 5; 1b 0 1), CONFIGS (default: the four configurations of the
 # tables; 1b the first three), START_BY (seconds, default 240), GPUS (default: every GPU), PRIOR (a directory of
-# earlier jobs' unpacked studies), PKG_WHEEL (a jax_fp4 wheel to install into /tmp/site instead of building; /tmp/site
-# is reused when it holds a package), CUTLASS_WHEEL (the nvidia-cutlass wheel to build against; else from PyPI).
+# earlier jobs' unpacked studies); PKG_WHEEL, CUTLASS_WHEEL and REBUILD as in tools/dev/site_package.sh.
 set -uo pipefail
 R="$PWD"
 OUT="${OUT:-/tmp/out}"
 START_BY="${START_BY:-240}"
 FOUR=nvfp4-fwd-mxfp8-bwd,nvfp4-fwd-mxfp8-bwd+switch0.9,nvfp4+last1+switch0.9,nvfp4-fwd-mxfp8-bwd-4over6
 mkdir -p "$OUT" /tmp/studies
-if [ -d /tmp/site/jax_fp4 ]; then
-  echo "package: reusing /tmp/site"
-elif [ -n "${PKG_WHEEL:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$PKG_WHEEL" > "$OUT/build.log" 2>&1
-  echo "wheel rc=$?"
-else
-  python3 -m pip install -q --no-deps --target /tmp/cutlass "${CUTLASS_WHEEL:-nvidia-cutlass==4.2.0.0}" \
-    > "$OUT/cutlass.log" 2>&1
-  PYTHONPATH=/tmp/cutlass python3 -m pip install --no-build-isolation --no-deps --target /tmp/site . \
-    > "$OUT/build.log" 2>&1
-  echo "build rc=$?"
-fi
+# shellcheck source=tools/dev/site_package.sh
+source "$R/tools/dev/site_package.sh"
+site_package
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
 GPU_FLAG=()

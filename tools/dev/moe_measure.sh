@@ -33,19 +33,9 @@ RECIPES="${RECIPES:-bf16,nvfp4-fwd-mxfp8-bwd}"
 mkdir -p "$OUT"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(ep2 one)
-S=$(date +%s)
-if [ -d /tmp/site/jax_fp4 ] && [ -z "${REBUILD:-}" ]; then
-  echo "build: reusing /tmp/site"
-elif [ -n "${PKG_WHEEL:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$PKG_WHEEL" > "$OUT/build.log" 2>&1
-  echo "wheel rc=$? $(( $(date +%s) - S ))s"
-else
-  python3 -m pip install -q --no-deps --target /tmp/cutlass "${CUTLASS_WHEEL:-nvidia-cutlass==4.2.0.0}" \
-    > "$OUT/cutlass.log" 2>&1
-  PYTHONPATH=/tmp/cutlass python3 -m pip install --no-build-isolation --no-deps --target /tmp/site . \
-    > "$OUT/build.log" 2>&1
-  echo "build rc=$? $(( $(date +%s) - S ))s"
-fi
+# shellcheck source=tools/dev/site_package.sh
+source "$R/tools/dev/site_package.sh"
+site_package
 if [ -n "${WHEELS:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/extra "$WHEELS"/*.whl > "$OUT/wheels.log" 2>&1
   echo "wheels rc=$?"
