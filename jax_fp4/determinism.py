@@ -18,8 +18,9 @@ algorithm per process. Three things make a step reproducible:
    One condition: no two cuDNN attention call sites of the step may be identical. With two identical backward
    attention graphs (two unrolled blocks, or two scanned segments) XLA aborts while compiling (`IndexError:
    raw_hash_map::at` from its compiled-graph cache; openxla/xla PR #46500; jaxlib 0.11.2, also with
-   `xla_gpu_exclude_nondeterministic_ops`; docs/performance.md, "Measuring gaps"). `distinct_causal_window(seq_len, site)` gives each call site its own
-   `local_window_size` that masks nothing beyond causality: the graphs differ, the values do not.
+   `xla_gpu_exclude_nondeterministic_ops`; docs/performance.md, "Measuring gaps"). `distinct_causal_window(seq_len,
+   site)` gives each call site its own `local_window_size` that masks nothing beyond causality: the graphs differ,
+   the values do not.
 3. Give every stochastic-rounding and RHT key from a fixed seed (the Flax layers' rng streams live in the model
    state, so a restored checkpoint continues the same draws).
 
@@ -86,9 +87,9 @@ def distinct_causal_window(seq_len: int, site: int) -> tuple[int, int]:
     Raises:
       ValueError: seq_len < 1 or site < 0 (not ints, or out of range).
     """
-    if not (isinstance(seq_len, int) and seq_len >= 1):
+    if not (isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 1):
         raise ValueError(f"distinct_causal_window: seq_len must be an int >= 1, got {seq_len!r}")
-    if not (isinstance(site, int) and site >= 0):
+    if not (isinstance(site, int) and not isinstance(site, bool) and site >= 0):
         raise ValueError(f"distinct_causal_window: site must be an int >= 0, got {site!r}")
     return (seq_len - 1 + site, 0)
 

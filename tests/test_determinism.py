@@ -52,7 +52,7 @@ def test_attention_implementation():
 def test_distinct_causal_window():
     assert [determinism.distinct_causal_window(16, i) for i in range(3)] == [(15, 0), (16, 0), (17, 0)]
     assert determinism.distinct_causal_window(1, 0) == (0, 0)
-    for bad in ((0, 0), (16, -1), (16.0, 0), (16, 1.0), (16, None)):
+    for bad in ((0, 0), (16, -1), (16.0, 0), (16, 1.0), (16, None), (16, True)):
         with pytest.raises(ValueError, match="distinct_causal_window: (seq_len|site) must be an int"):
             determinism.distinct_causal_window(*bad)
 

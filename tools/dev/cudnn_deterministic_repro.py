@@ -9,9 +9,9 @@ call its own graph and the same values; the LM harness uses it for `--determinis
 
     python3 tools/dev/cudnn_deterministic_repro.py
 
-prints one line per case. Measured with the same calls (H200, jaxlib 0.11.2): "identical" fails, "forward only" and "distinct windows"
-compile, and "window equals plain" (one layer: window (seq - 1, 0) against plain causal, values and gradients) is
-True.
+prints one line per case. Measured with the same calls (H200, jaxlib 0.11.2): "identical" fails, "forward only" and
+"distinct windows" compile, and "window equals plain" (one layer: window (seq - 1, 0) against plain causal, values
+and gradients) is True.
 """
 
 from __future__ import annotations
