@@ -43,6 +43,20 @@ def test_t_interval_and_standard_error():
     assert math.isnan(lm_stats.t_interval([1.0])[1]) and math.isnan(lm_stats.standard_error([1.0]))
 
 
+def test_welch_interval():
+    """Equal variances and sizes give 2(n - 1) degrees of freedom (t_{0.975, 4} = 2.776445); unequal ones the
+    Welch-Satterthwaite value, 50/17 for these samples; fewer than 2 values give nan bounds, no spread a point."""
+    d, lo, hi = lm_stats.welch_interval([0.0, 1.0, 2.0], [1.0, 2.0, 3.0])
+    assert d == pytest.approx(1.0) and (hi - d) == pytest.approx(d - lo) == pytest.approx(2.776445 * math.sqrt(2 / 3))
+    from scipy import stats
+
+    d, lo, hi = lm_stats.welch_interval([1.0, 2.0, 3.0], [2.0, 4.0, 6.0])
+    assert d == pytest.approx(2.0) and hi - d == pytest.approx(stats.t.ppf(0.975, 50 / 17) * math.sqrt(5 / 3))
+    assert lm_stats.welch_interval([1.0, 1.0], [2.0, 2.0, 2.0]) == (1.0, 1.0, 1.0)
+    d, lo, hi = lm_stats.welch_interval([1.0], [2.0, 3.0])
+    assert d == 1.5 and math.isnan(lo) and math.isnan(hi)
+
+
 def test_seeds_needed():
     """The smallest n whose t half-width t_{0.975, n-1} sd / sqrt(n) reaches the target: checked against the
     definition at n and n - 1, plus the edges (sd 0, not finite, beyond the limit, a bad target)."""
@@ -176,11 +190,14 @@ def test_switch_runs_equal_before_the_switch_on_the_cpu(tmp_path):
     assert gaps["nvfp4-fwd-mxfp8-bwd"]["pre_switch_spread_pct"] == 0.0
 
 
-def test_precision_study_keeps_finished_runs_and_merges_them(tmp_path):
+def test_precision_study_keeps_finished_runs_and_merges_them(tmp_path, monkeypatch):
     """Runs with a summary.json are not queued again; with every run finished the study only merges: gaps.json over
-    the union of the runs (two seeds of bf16 and one configuration, as if from two invocations)."""
+    the union of the runs (two seeds of bf16 and one configuration, as if from two invocations), its plot titled with
+    every merged seed even when this invocation names fewer."""
     import precision_study
 
+    titles = []
+    monkeypatch.setattr(precision_study.lm_stats, "plot_gaps", lambda out, gaps, title: titles.append(title))
     jobs = precision_study._jobs(["nvfp4"], [0, 1])
     _write_runs(tmp_path, (("bf16@s0", 1.0), ("nvfp4@s0", 1.02), ("bf16@s1", 1.1)))
     todo, finished = precision_study._pending(jobs, tmp_path)
@@ -190,6 +207,8 @@ def test_precision_study_keeps_finished_runs_and_merges_them(tmp_path):
     gaps = json.loads((tmp_path / "gaps.json").read_text())
     assert gaps["nvfp4"]["seeds"] == [0, 1]
     assert gaps["nvfp4"]["gaps_pct"] == pytest.approx([2.0, 3.0])
+    assert precision_study.main(["--preset", "tiny", "--seeds", "1", "--configs", "nvfp4", "--out", str(tmp_path)]) == 0
+    assert titles[-1] == "--preset tiny, seeds 0 1"
 
 
 def _no_subprocess(*args, **kwargs):
@@ -459,9 +478,41 @@ def test_gap_scaling(tmp_path, capsys):
     assert math.isnan(rows[0]["tokens_per_param"]) and rows[1]["tokens_per_param"] == pytest.approx(100 * 1.4e6 / 85e6)
     assert (tmp_path / "o" / "gap_scaling.png").stat().st_size > 1000
     out = capsys.readouterr().out
-    assert "x " in out and out.count("(not deterministic)") == 1
+    assert "x " in out and out.count("(not deterministic)") == 2  # the small size's row and its change to 85M
+    assert "7.0M -> 85.0M  -1.00" in out
+    changes = list(csv.DictReader((tmp_path / "o" / "size_changes.csv").open()))
+    assert [(c["configuration"], c["status"]) for c in changes] == [("x", "resolved")]
+    assert "gaps_pct" not in next(csv.DictReader((tmp_path / "o" / "gap_scaling.csv").open()))
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "summary.json").write_text(json.dumps({"bf16@s0": _run(1.0)}))
     with pytest.raises(ValueError, match="disagree on \\(or lack\\) the parameter count"):
         gap_scaling.collect([bad])
+
+
+def test_gap_scaling_line_breaks_at_an_unmeasured_size():
+    import gap_scaling
+
+    rows = [{"configuration": c, "params": n, "mean_pct": g}
+            for c, n, g in (("a", 7, 2.0), ("a", 85, 1.5), ("a", 340, 1.0), ("b", 7, 1.2), ("b", 340, 1.3))]
+    assert gap_scaling.line(rows, "a") == ([7, 85, 340], [2.0, 1.5, 1.0])
+    sizes, means = gap_scaling.line(rows, "b")
+    assert sizes == [7, 85, 340] and means[0] == 1.2 and math.isnan(means[1]) and means[2] == 1.3
+
+
+def test_gap_scaling_size_changes():
+    """The change of each configuration's gap between consecutive measured sizes, with the Welch interval of the
+    two sizes' per-seed gaps: resolved only when it excludes 0."""
+    import gap_scaling
+
+    rows = [{"configuration": c, "params": n, "gaps_pct": g, "deterministic": det}
+            for c, n, g, det in (("a", 7, [2.0, 2.1, 2.2], True), ("a", 85, [1.0, 1.1, 1.2], True),
+                                 ("a", 340, [0.0, 1.0, 2.0], False), ("b", 7, [1.0, 1.2, 1.4], True),
+                                 ("b", 340, [1.1, 1.3, 1.5], False))]
+    changes = gap_scaling.size_changes(rows)
+    assert [(c["configuration"], c["from_params"], c["to_params"], c["status"], c["deterministic"])
+            for c in changes] == [("a", 7, 85, "resolved", True), ("a", 85, 340, "unresolved", False),
+                                  ("b", 7, 340, "unresolved", False)]
+    assert changes[0]["change_pct"] == pytest.approx(-1.0)
+    assert (changes[0]["ci_low_pct"], changes[0]["ci_high_pct"]) == pytest.approx(
+        lm_stats.welch_interval([2.0, 2.1, 2.2], [1.0, 1.1, 1.2])[1:])

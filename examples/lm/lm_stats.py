@@ -66,6 +66,24 @@ def t_interval(samples, confidence: float = CONFIDENCE) -> tuple[float, float]:
     return float(x.mean()), float(stats.t.ppf((1 + confidence) / 2, x.size - 1) * standard_error(x))
 
 
+def welch_interval(a, b, confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+    """(mean(b) - mean(a), low, high): the confidence interval of the difference of two means from independent
+    samples whose variances may differ (nan bounds when either has fewer than 2 values; the difference itself when
+    both variances are 0). Source: Welch's t interval, d ± t_{(1+c)/2, v} sqrt(u_a + u_b) with u = s^2/n, and the
+    Welch-Satterthwaite degrees of freedom v = (u_a + u_b)^2 / (u_a^2/(n_a - 1) + u_b^2/(n_b - 1)) (scipy.stats.t.ppf
+    for the quantile)."""
+    x, y = (np.asarray(v, np.float64).ravel() for v in (a, b))
+    d = float(y.mean() - x.mean()) if x.size and y.size else math.nan
+    if x.size < 2 or y.size < 2:
+        return d, math.nan, math.nan
+    va, vb = x.var(ddof=1) / x.size, y.var(ddof=1) / y.size
+    if va + vb == 0:
+        return d, d, d
+    dof = (va + vb) ** 2 / (va ** 2 / (x.size - 1) + vb ** 2 / (y.size - 1))
+    half = float(stats.t.ppf((1 + confidence) / 2, dof) * math.sqrt(va + vb))
+    return d, d - half, d + half
+
+
 def seeds_needed(sd: float, half: float = TARGET_HALF_PCT, confidence: float = CONFIDENCE,
                  limit: int = SEEDS_LIMIT) -> int | None:
     """The smallest n >= 2 with t_{(1+c)/2, n-1} sd / sqrt(n) <= half: how many seeds a Student-t interval needs to

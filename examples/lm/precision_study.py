@@ -160,16 +160,16 @@ def _val_curve(path: Path) -> list:
         return [[int(r["step"]), float(r["val_loss"])] for r in csv.DictReader(f) if r.get("val_loss")]
 
 
-def _report(out: Path, merged: dict, preset: str, seeds: list[int] | None = None, deterministic: bool = False,
+def _report(out: Path, merged: dict, preset: str, deterministic: bool = False,
             target_half: float = lm_stats.TARGET_HALF_PCT) -> dict:
     """Writes the merged runs to OUT/summary.json and their gaps to OUT/gaps.csv, gaps.json and gaps.png (titled
-    with the preset, the seeds - those of the run names when `seeds` is None - and "deterministic" when
-    `deterministic` or every run was), and prints the gap table with the seeds each interval would need to reach
+    with the preset, the seeds of the merged runs - a continued study's earlier runs included - and "deterministic"
+    when `deterministic` or every run was), and prints the gap table with the seeds each interval would need to reach
     ±`target_half` %; returns the gaps (lm_stats.seed_gaps)."""
     (out / "summary.json").write_text(json.dumps(merged, indent=1))
     gaps = lm_stats.seed_gaps(merged, target_half_pct=target_half)
     lm_stats.write_gaps(out, gaps)
-    seeds = _run_seeds(merged) if seeds is None else seeds
+    seeds = _run_seeds(merged)
     deterministic = deterministic or (bool(merged) and all(s.get("deterministic") for s in merged.values()))
     title = f"--preset {preset}, seeds {' '.join(map(str, seeds))}" + (", deterministic" if deterministic else "")
     lm_stats.plot_gaps(out, gaps, title)
@@ -326,7 +326,7 @@ def main(argv=None):
         print(f"not started (--start-by {args.start_by:g} s): {', '.join(left)}; the same command trains them")
     print(f"\n{len(done)} runs in {time.time() - t0:.0f} s over {len(slots)} slot(s)"
           + (f"; FAILED: {failed} (see {args.out}/runs/<run>/train.log)" if failed else ""))
-    _report(args.out, _merged(args.out), args.preset, args.seeds, args.deterministic, args.target_half)
+    _report(args.out, _merged(args.out), args.preset, args.deterministic, args.target_half)
     return 1 if failed else 0
 
 
